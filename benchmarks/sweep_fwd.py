@@ -1,0 +1,62 @@
+"""Sweep forward tile configs on the GPU; print TFLOP/s per (shape, config) and write JSON to --json.
+
+Usage (on the GPU machine): PYTHONPATH=src python3 benchmarks/sweep_fwd.py --json $OUT/sweep.json
+The winners go into src/onlineattn/ops/_configs.py with the measured reason.
+"""
+
+import argparse
+import json
+
+import torch
+import triton.testing
+
+from onlineattn.bench.prefill import Case
+from onlineattn.ops._configs import FwdConfig
+from onlineattn.ops.forward import forward
+
+CANDIDATES = [
+    FwdConfig(bm, bn, w, s)
+    for bm, bn, w, s in [
+        (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
+        (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3), (64, 64, 4, 2),
+        (128, 64, 4, 4), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3),
+    ]
+]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--d", type=int, nargs="*", default=[64, 128, 256])
+    ap.add_argument("--n", type=int, nargs="*", default=[1024, 8192])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    results = []
+    for d in args.d:
+        for causal in (False, True):
+            for n in args.n:
+                case = Case(16384 // n, 2048 // d, n, d, causal)
+                q, k, v = (torch.randn(case.b, n, case.h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+                scores = []
+                for cfg in CANDIDATES:
+                    try:
+                        ms = triton.testing.do_bench(
+                            lambda: forward(q, k, v, d**-0.5, causal, config=cfg), warmup=10, rep=40,
+                            return_mode="median",
+                        )
+                    except Exception as err:  # out of shared memory or registers for this tile
+                        scores.append((0.0, cfg))
+                        print(f"  d={d} {cfg}: {type(err).__name__}")
+                        continue
+                    tf = case.flops("fwd") / ms / 1e9
+                    scores.append((tf, cfg))
+                    results.append({"d": d, "causal": causal, "n": n, "config": cfg.__dict__, "tflops": round(tf, 1)})
+                scores.sort(key=lambda t: -t[0])
+                top = ", ".join(f"{tf:.0f} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}" for tf, c in scores[:4])
+                print(f"d={d} causal={int(causal)} N={n}: {top}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()

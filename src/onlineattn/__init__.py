@@ -1,0 +1,7 @@
+"""onlineattn: exact attention by the online-softmax recurrence, in PyTorch and Triton."""
+
+from . import reference
+from .api import attention, merge_states
+
+__version__ = "0.1.0"
+__all__ = ["attention", "merge_states", "reference", "__version__"]

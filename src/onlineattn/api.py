@@ -1,0 +1,126 @@
+"""Public entry points: validate the arguments, then dispatch to a backend.
+
+``backend="auto"`` uses the Triton kernels for CUDA tensors and the blockwise torch path for everything else;
+``"torch"`` forces the torch path; ``"triton"`` forces the kernels (on CPU tensors they run under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import _validate as V
+from . import torch_impl
+
+
+def _triton_forward_available() -> bool:
+    try:
+        from .ops import forward  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _resolve_backend(backend: str, q: torch.Tensor) -> str:
+    """``auto``: Triton for CUDA tensors of a kernel dtype, torch otherwise (float64 stays exact on the torch path)."""
+    backend = V.check_backend(backend)
+    if backend == "auto":
+        kernel_dtype = q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        return "triton" if q.is_cuda and kernel_dtype and _triton_forward_available() else "torch"
+    if backend == "triton":
+        if not _triton_forward_available():
+            raise ValueError("backend='triton' needs the triton package, which is not importable here")
+        if q.dtype == torch.float64:
+            raise TypeError("backend='triton' takes float16, bfloat16 or float32; q has dtype float64 (use 'torch')")
+        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"backend='triton' with tensors on {q.device} needs TRITON_INTERPRET=1 set before triton is imported"
+            )
+    return backend
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    attn_bias=None,
+    sinks=None,
+    deterministic=True,
+    return_lse=False,
+    backend="auto",
+):
+    """Exact softmax attention, ``softmax(q kᵀ · scale) v``, without materialising the scores.
+
+    Args:
+        q: ``[batch, seqlen_q, heads_q, head_dim]``, float16, bfloat16, float32 or float64.
+        k: ``[batch, seqlen_k, heads_kv, head_dim]``; ``heads_q % heads_kv == 0`` (GQA/MQA).
+        v: ``[batch, seqlen_k, heads_kv, head_dim_v]``.
+        causal: bottom-right aligned: query i sees key j when ``j <= i + seqlen_k - seqlen_q``.
+        softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        return_lse: also return the log-sum-exp of the scaled scores (natural log).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        ``o [batch, seqlen_q, heads_q, head_dim_v]`` in q's dtype, and with ``return_lse`` also
+        ``lse [batch, heads_q, seqlen_q]`` in float32 (float64 for float64 inputs). A row that sees no key has
+        ``o = 0`` and ``lse = -inf``. Differentiable with respect to q, k and v (and through lse).
+
+    Example:
+        >>> import torch, onlineattn
+        >>> q, k, v = (torch.randn(2, 5, 4, 16) for _ in range(3))
+        >>> o, lse = onlineattn.attention(q, k, v, causal=True, return_lse=True)
+        >>> o.shape, lse.shape
+        (torch.Size([2, 5, 4, 16]), torch.Size([2, 4, 5]))
+    """
+    dims = V.check_qkv(q, k, v)
+    scale = V.check_scale(softmax_scale, dims.head_dim)
+    causal = V.check_bool("causal", causal)
+    return_lse = V.check_bool("return_lse", return_lse)
+    V.check_bool("deterministic", deterministic)
+    window_size = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
+    V.check_not_yet("window_size", window_size, (-1, -1), issue=6)
+    V.check_not_yet("softcap", softcap, 0.0, issue=6)
+    V.check_not_yet("alibi_slopes", alibi_slopes, None, issue=6)
+    V.check_not_yet("dropout_p", dropout_p, 0.0, issue=6)
+    V.check_not_yet("attn_bias", attn_bias, None, issue=6)
+    V.check_not_yet("sinks", sinks, None, issue=6)
+    backend = _resolve_backend(backend, q)
+    if backend == "triton":
+        from .ops import forward as triton_forward
+
+        o, lse = triton_forward.attention(q, k, v, scale, causal)
+    else:
+        o, lse = torch_impl.attention(q, k, v, scale, causal)
+    return (o, lse) if return_lse else o
+
+
+def merge_states(o_a, lse_a, o_b, lse_b):
+    """Merge attention over two disjoint key sets into attention over their union, exactly.
+
+    Args:
+        o_a, o_b: ``[batch, seqlen, heads, head_dim]`` partial outputs, one dtype.
+        lse_a, lse_b: ``[batch, heads, seqlen]`` their log-sum-exps (natural log); any entry may be ``-inf``.
+
+    Returns:
+        ``(o, lse)``: o in o_a's dtype, computed in float32 (float64 for float64). An empty part (lse = -inf) is
+        neutral; two empty parts give ``o = 0`` and ``lse = -inf``.
+
+    Example:
+        >>> import torch, onlineattn
+        >>> q, k, v = torch.randn(1, 3, 2, 8), torch.randn(1, 6, 2, 8), torch.randn(1, 6, 2, 8)
+        >>> o1, l1 = onlineattn.attention(q, k[:, :4], v[:, :4], return_lse=True)
+        >>> o2, l2 = onlineattn.attention(q, k[:, 4:], v[:, 4:], return_lse=True)
+        >>> o, lse = onlineattn.merge_states(o1, l1, o2, l2)
+        >>> torch.allclose(o, onlineattn.attention(q, k, v), atol=1e-6)
+        True
+    """
+    V.check_states(o_a, lse_a, o_b, lse_b)
+    return torch_impl.merge_states(o_a, lse_a, o_b, lse_b)

@@ -1,0 +1,1 @@
+"""Measurement helpers and the `onlineattn bench` command."""

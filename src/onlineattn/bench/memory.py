@@ -1,0 +1,51 @@
+"""Peak extra memory of one call, measured rather than computed.
+
+On CUDA it reads the caching allocator's peak (``torch.cuda.max_memory_allocated``). On the CPU it reads the process's
+resident-set high-water mark (``VmHWM`` in ``/proc/self/status``) after resetting it through ``/proc/self/clear_refs``,
+so the figure counts every page the call touched, whatever allocated it.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_bytes(key: str) -> int:
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{key} not found in {_STATUS}")
+
+
+def cpu_peak_supported() -> bool:
+    """Whether this OS lets us reset and read the resident-set peak (Linux 4.0+)."""
+    try:
+        _CLEAR_REFS.write_text("5")
+        _status_bytes("VmHWM:")
+    except (OSError, RuntimeError):
+        return False
+    return True
+
+
+def peak_extra_bytes(fn, device: torch.device | str = "cpu"):
+    """Run ``fn()`` and return ``(result, bytes)``: how far memory rose above where it stood before the call."""
+    device = torch.device(device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        result = fn()
+        torch.cuda.synchronize(device)
+        return result, torch.cuda.max_memory_allocated(device) - before
+    if not cpu_peak_supported():
+        raise RuntimeError("measuring CPU peak memory needs Linux's /proc/self/clear_refs")
+    before = _status_bytes("VmRSS:")
+    result = fn()
+    return result, max(0, _status_bytes("VmHWM:") - before)

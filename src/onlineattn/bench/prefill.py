@@ -1,0 +1,173 @@
+"""`onlineattn bench prefill`: time attention on the peers' grid, with SDPA's backends measured in the same run.
+
+Grid (``../shared/anchors/h200-peers.md``): d ∈ {64, 128, 256}, N ∈ {512 … 16384}, B·N = 16384 tokens, H·d = 2048,
+causal and not, bf16. FLOPs: forward 4·B·H·Sq·Sk·d, halved for causal when Sq = Sk (backward is 2.5× forward).
+Each measurement becomes one JSON line (ENGINEERING.md section 5).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HEAD_DIMS = (64, 128, 256)
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK_SEQLENS = (1024, 8192)
+TOKENS = 16384
+HIDDEN = 2048
+DEFAULT_OUT = Path("benchmarks/results/h200.jsonl")
+
+
+@dataclass(frozen=True)
+class Case:
+    b: int
+    h: int
+    n: int
+    d: int
+    causal: bool
+
+    def flops(self, mode: str) -> float:
+        fwd = 4.0 * self.b * self.h * self.n * self.n * self.d * (0.5 if self.causal else 1.0)
+        return {"fwd": fwd, "bwd": 2.5 * fwd, "fwdbwd": 3.5 * fwd}[mode]
+
+
+def grid(head_dims=HEAD_DIMS, seqlens=SEQLENS, causal=(False, True)):
+    return [Case(TOKENS // n, HIDDEN // d, n, d, c) for d in head_dims for c in causal for n in seqlens]
+
+
+def _sdpa(backend_name: str):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def run(q, k, v, causal):  # SDPA wants [B, H, S, D]; Sq = Sk here, so top-left causal = bottom-right
+        with sdpa_kernel(backend):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal
+            )
+        return o.transpose(1, 2)
+
+    return run
+
+
+def _ours(q, k, v, causal):
+    from ..api import attention
+
+    return attention(q, k, v, causal=causal, backend="triton")
+
+
+PROVIDERS = {
+    "onlineattn": _ours,
+    "sdpa-flash": _sdpa("FLASH_ATTENTION"),
+    "sdpa-cudnn": _sdpa("CUDNN_ATTENTION"),
+    "sdpa-efficient": _sdpa("EFFICIENT_ATTENTION"),
+}
+
+
+def _timed(fn, mode: str, q, k, v, causal) -> float:
+    """Median milliseconds of one forward, or of one backward alone (``autograd.grad`` with ``retain_graph``)."""
+    import triton.testing
+
+    if mode == "fwd":
+        with torch.no_grad():
+            return triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=25, rep=100, return_mode="median")
+    q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+    o = fn(q, k, v, causal)
+    do = torch.randn_like(o)
+    if mode == "bwd":
+        step = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+    else:
+        step = lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do)
+    return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+
+
+def environment(commit: str | None) -> dict:
+    import triton
+
+    if commit is None:
+        with contextlib.suppress(OSError, subprocess.CalledProcessError):
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    return {
+        "date": datetime.date.today().isoformat(),
+        "commit": commit or "unknown",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+def run(cases, providers, modes, *, out: Path | None, commit: str | None = None, dtype=torch.bfloat16):
+    """Measure every (case, mode, provider); print a table; append rows to ``out``. Returns the rows."""
+    env = environment(commit)
+    rows = []
+    header = f"{'op':6} {'d':>4} {'c':>2} {'N':>6} {'B':>3} {'H':>3} " + " ".join(f"{p:>15}" for p in providers)
+    print(header)
+    for case in cases:
+        gen = torch.Generator(device="cuda").manual_seed(case.n * 1000 + case.d)
+        shape = (case.b, case.n, case.h, case.d)
+        q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+        for mode in modes:
+            cells = []
+            for name in providers:
+                try:
+                    ms = _timed(PROVIDERS[name], mode, q, k, v, case.causal)
+                except RuntimeError as err:  # a peer backend that does not support this shape
+                    cells.append(f"{'n/a':>15}")
+                    print(f"  {name} {mode} {case}: {str(err).splitlines()[0][:120]}")
+                    continue
+                tflops = case.flops(mode) / ms / 1e9
+                cells.append(f"{tflops:15.1f}")
+                rows.append({
+                    **env, "op": mode, "provider": name, "dtype": str(dtype).replace("torch.", ""),
+                    "B": case.b, "Hq": case.h, "Hkv": case.h, "Sq": case.n, "Sk": case.n, "d": case.d,
+                    "causal": case.causal, "ms": round(ms, 5), "tflops": round(tflops, 2),
+                })
+            print(f"{mode:6} {case.d:4} {int(case.causal):2} {case.n:6} {case.b:3} {case.h:3} " + " ".join(cells))
+        del q, k, v
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return rows
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("prefill", help="time forward/backward on the peers' grid against SDPA")
+    p.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd", "all"), default="fwd")
+    p.add_argument("--d", type=int, nargs="*", default=list(HEAD_DIMS), help="head dims")
+    p.add_argument("--n", type=int, nargs="*", default=None, help="sequence lengths (default: the grid)")
+    p.add_argument("--causal", choices=("0", "1", "both"), default="both")
+    p.add_argument("--providers", nargs="*", default=list(PROVIDERS), choices=list(PROVIDERS))
+    p.add_argument("--quick", action="store_true", help="two lengths per head dim")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON-lines file the rows are appended to")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument("--commit", default=None, help="commit measured (default: git rev-parse)")
+    p.set_defaults(func=main)
+
+
+def main(args) -> int:
+    if not torch.cuda.is_available():
+        print("onlineattn bench prefill needs a CUDA device")
+        return 2
+    seqlens = args.n or (QUICK_SEQLENS if args.quick else SEQLENS)
+    causal = {"0": (False,), "1": (True,), "both": (False, True)}[args.causal]
+    modes = ("fwd", "bwd") if args.mode == "all" else (args.mode,)
+    run(grid(args.d, seqlens, causal), args.providers, modes, out=None if args.no_write else args.out,
+        commit=args.commit)
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m onlineattn.bench.prefill")
+    add_parser(parser.add_subparsers(dest="cmd", required=True))
+    parsed = parser.parse_args()
+    raise SystemExit(parsed.func(parsed))

@@ -1,0 +1,38 @@
+"""Triton helpers shared by the kernels: the online-softmax step and the epilogue that turns (m, l, acc) into (o, lse).
+
+Scores are kept in the log2 domain: ``x = s · scale · log2(e)``, so ``exp`` becomes ``exp2`` and the scale costs one
+multiply folded into the max. ``m`` is the running max of x, ``l`` the running sum of ``2^(x − m)``.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def online_softmax_step(qk, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
+    """One key block of the recurrence. ``qk`` holds raw scores ``[BLOCK_M, BLOCK_N]`` in float32 (hidden entries
+    already ``-inf`` when ``MASKED``). Returns ``(p, m_new, l_new, acc_rescaled)``; the caller adds ``p @ v`` to acc.
+
+    Only a masked block can leave a row with no visible key so far (``m_new = -inf``); there the max is replaced by 0
+    so that ``2^(-inf - 0) = 0`` rather than NaN. Unmasked blocks skip that select.
+    """
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    if MASKED:
+        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_new = l_i * alpha + tl.sum(p, 1)
+    return p, m_new, l_new, acc * alpha[:, None]
+
+
+@triton.jit
+def finalize_state(m_i, l_i, acc):
+    """``o = acc / l`` and natural-log ``lse = (m + log2 l) · ln 2``; a row that saw nothing gets o = 0, lse = -inf."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    o = acc / l_safe[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+    return o, lse

@@ -1,0 +1,179 @@
+"""Fused attention forward in Triton: Q tiles stay on-chip, K and V stream through, only o and lse are written.
+
+Read top-down: the kernel, the launcher (pick a config, allocate, launch), then the ``torch.library`` custom op with
+its fake implementation and autograd registration.
+
+Tiling. One program owns ``BLOCK_M`` rows of one (batch, kv head). Rows pack the query heads of a GQA group:
+row ``r`` is query ``r // GROUP`` of head ``kv_head · GROUP + r % GROUP``, so the group's heads share one read of each
+K/V block. Key blocks split into two loops: blocks every row of the tile sees whole (no mask work), then the blocks
+that cross the causal diagonal or the end of the keys (masked). Blocks above the diagonal are never loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import LOG2E, finalize_state, online_softmax_step
+from ._configs import fwd_config
+
+
+@triton.jit
+def attention_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh,
+    seqlen_q, seqlen_k, heads_kv, qk_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    # Causal tiles near the bottom have the most key blocks: launch them first so the tail of the grid is short.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // heads_kv).to(tl.int64)
+    off_hkv = pid_bh % heads_kv
+
+    o_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    o_i = o_r // GROUP
+    o_h = off_hkv * GROUP + o_r % GROUP
+    m_r = o_r < seqlen_q * GROUP
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    o_n = tl.arange(0, BLOCK_N)
+    m_d = o_d < HEAD_DIM
+    m_dv = o_dv < HEAD_DIM_V
+
+    p_q = Q + off_b * stride_qb + o_i[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
+    p_kt = K + off_b * stride_kb + off_hkv * stride_kh + o_n[None, :] * stride_ks + o_d[:, None]
+    p_v = V + off_b * stride_vb + off_hkv * stride_vh + o_n[:, None] * stride_vs + o_dv[None, :]
+
+    # Key range. diag: query i sees key j when j <= i + diag (bottom-right alignment).
+    diag = seqlen_k - seqlen_q
+    hi = seqlen_k
+    full_hi = seqlen_k
+    if CAUSAL:
+        first_q = (pid_m * BLOCK_M) // GROUP
+        last_q = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, seqlen_q - 1)
+        hi = tl.maximum(tl.minimum(seqlen_k, last_q + diag + 1), 0)
+        full_hi = tl.maximum(tl.minimum(seqlen_k, first_q + diag + 1), 0)
+    full_hi = (full_hi // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    for start_n in range(0, full_hi, BLOCK_N):
+        b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None], other=0.0)
+        qk = tl.dot(b_q, b_kt, input_precision=INPUT_PRECISION)
+        p, m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, qk_scale, MASKED=False)
+        b_v = tl.load(p_v + start_n * stride_vs, mask=m_dv[None, :], other=0.0)
+        acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
+
+    for start_n in range(full_hi, hi, BLOCK_N):
+        m_n = (start_n + o_n) < seqlen_k
+        b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None] & m_n[None, :], other=0.0)
+        qk = tl.dot(b_q, b_kt, input_precision=INPUT_PRECISION)
+        visible = m_n[None, :]
+        if CAUSAL:
+            visible = visible & ((start_n + o_n)[None, :] <= o_i[:, None] + diag)
+        qk = tl.where(visible, qk, float("-inf"))
+        p, m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, qk_scale, MASKED=True)
+        b_v = tl.load(p_v + start_n * stride_vs, mask=m_n[:, None] & m_dv[None, :], other=0.0)
+        acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
+
+    b_o, b_lse = finalize_state(m_i, l_i, acc)
+    p_o = O + off_b * stride_ob + o_i[:, None] * stride_os + o_h[:, None] * stride_oh + o_dv[None, :]
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_r[:, None] & m_dv[None, :])
+    tl.store(LSE + off_b * stride_lb + o_h * stride_lh + o_i, b_lse, mask=m_r)
+
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, config=None):
+    """Launch the kernel: ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hkv, D]``, ``v [B, Sk, Hkv, Dv]`` (validated by the caller)
+    -> ``(o [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``. ``out``/``lse_out`` let tests pass pre-poisoned buffers;
+    ``config`` (a ``FwdConfig``) overrides the table, for the tile sweep.
+    """
+    if q.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"the Triton kernels take float16, bfloat16 or float32; q has dtype {q.dtype}")
+    q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
+    b, sq, hq, d = q.shape
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    o = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device) if out is None else out
+    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse_out is None else lse_out
+    if o.stride(-1) != 1 or lse.stride(-1) != 1:
+        raise ValueError("out and lse_out must be contiguous in their last dim")
+    if b * sq * hq == 0:
+        return o, lse
+    group = hq // hkv
+    cfg = config or fwd_config(d, dv, q.dtype, causal, q.device.type)
+    grid = (triton.cdiv(sq * group, cfg.block_m), b * hkv)
+    attention_fwd_kernel[grid](
+        q, k, v, o, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        lse.stride(0), lse.stride(1),
+        sq, sk, hkv, scale * LOG2E,
+        GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CAUSAL=causal, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return o, lse
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.library registration, so the kernel composes with autograd and torch.compile.
+
+
+@torch.library.custom_op("onlineattn::attention_fwd", mutates_args=())
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> tuple[
+    torch.Tensor, torch.Tensor
+]:
+    return forward(q, k, v, scale, causal)
+
+
+@attention_fwd.register_fake
+def _attention_fwd_fake(q, k, v, scale, causal):
+    b, sq, hq, _ = q.shape
+    return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, causal = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.scale, ctx.causal = scale, causal
+
+
+def _backward(ctx, do, dlse):
+    # Gradients by blockwise recomputation in torch until the Triton backward (issue #4) lands.
+    from .. import torch_impl
+
+    q, k, v, o, lse = ctx.saved_tensors
+    dq, dk, dv = torch_impl.backward(do, q, k, v, o, lse, ctx.scale, ctx.causal, dlse=dlse)
+    return dq, dk, dv, None, None
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention(q, k, v, scale: float, causal: bool):
+    """Differentiable fused attention on the Triton path: ``(o, lse)``."""
+    return attention_fwd(q, k, v, scale, causal)

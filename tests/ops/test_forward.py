@@ -1,0 +1,170 @@
+"""Triton forward kernel against the oracle. Without CUDA these run through Triton's interpreter on CPU tensors
+(fp32 and fp16; the interpreter's bf16 dot is wrong); with CUDA they run on the GPU, plus bf16 and large shapes."""
+
+import pytest
+import torch
+
+import onlineattn
+from onlineattn import reference as R
+from onlineattn.ops import forward as F
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+gpu = pytest.mark.gpu
+
+
+def _name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _inputs(b, sq, sk, hq, hkv, d, dv, dtype, *, seed, q_scale=1.0, device=DEVICE):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float32)
+    q = (make(b, sq, hq, d) * q_scale).to(device=device, dtype=dtype)
+    k = make(b, sk, hkv, d).to(device=device, dtype=dtype)
+    v = make(b, sk, hkv, dv).to(device=device, dtype=dtype)
+    return q, k, v
+
+
+def _run_poisoned(q, k, v, causal, scale=None):
+    """Launch into NaN-filled outputs, so an element the kernel never writes fails the comparison."""
+    b, sq, hq, _ = q.shape
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o = torch.full((b, sq, hq, v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float32, device=q.device)
+    return F.forward(q, k, v, scale, causal, out=o, lse_out=lse)
+
+
+def _check(q, k, v, causal, o, lse, scale=None):
+    exact_o, exact_lse = R.naive_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    base_o, base_lse = R.torch_math_attention(q, k, v, causal=causal, softmax_scale=scale)
+    R.assert_within_rule("o", o, exact_o, base_o, _name(q.dtype))
+    R.assert_within_rule("lse", lse, exact_lse, base_lse, _name(q.dtype))
+
+
+SHAPES = [  # b, sq, sk, hq, hkv, d, dv
+    (2, 1, 1, 2, 2, 64, 64),
+    (1, 17, 17, 4, 1, 40, 40),
+    (2, 129, 17, 4, 4, 64, 64),  # Sq > Sk: with causal, the first rows see no key
+    (1, 17, 129, 8, 2, 96, 96),  # Sk > Sq
+    (1, 65, 100, 8, 1, 128, 128),  # MQA 8:1
+    (1, 33, 47, 2, 2, 256, 256),
+    (1, 31, 45, 4, 2, 72, 40),  # Dv != D, neither a power of two
+    (1, 20, 24, 2, 1, 8, 8),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_matches_oracle(shape, causal, dtype):
+    q, k, v = _inputs(*shape, dtype, seed=hash((shape, causal)) % 2**31)
+    o, lse = _run_poisoned(q, k, v, causal)
+    _check(q, k, v, causal, o, lse)
+
+
+def test_fully_masked_rows_are_zero_with_neg_inf_lse():
+    q, k, v = _inputs(1, 40, 8, 4, 2, 64, 64, torch.float16, seed=1)
+    o, lse = _run_poisoned(q, k, v, causal=True)
+    hidden = 40 - 8  # rows 0..31 see no key: j <= i + (8 - 40) < 0
+    assert torch.all(o[:, :hidden] == 0)
+    assert torch.all(lse[:, :, :hidden] == float("-inf"))
+    assert torch.isfinite(lse[:, :, hidden:]).all()
+
+
+def test_non_contiguous_inputs_and_explicit_scale():
+    base_q, base_k, base_v = _inputs(2, 37, 53, 8, 4, 128, 128, torch.float16, seed=2)
+    q = base_q[:, :, ::2, :64]  # every other head, first half of the head dim
+    k = base_k[:, :, ::2, 32:96]
+    v = base_v.transpose(1, 2).contiguous().transpose(1, 2)[:, :, ::2, :64]  # a [B, S, H, D] view of [B, H, S, D]
+    assert not q.is_contiguous() and not k.is_contiguous() and not v.is_contiguous()
+    o, lse = _run_poisoned(q, k, v, causal=True, scale=0.3)
+    _check(q, k, v, True, o, lse, scale=0.3)
+
+
+def test_last_dim_not_contiguous_is_copied():
+    q, k, v = _inputs(1, 16, 16, 2, 2, 32, 32, torch.float32, seed=3)
+    qt = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    kt = k.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert qt.stride(-1) != 1
+    o, lse = _run_poisoned(qt, kt, v, causal=False)
+    _check(q, k, v, False, o, lse)
+
+
+def test_logits_near_fp16_overflow():
+    q, k, v = _inputs(1, 33, 65, 4, 2, 64, 64, torch.float16, seed=4, q_scale=60.0)
+    o, lse = _run_poisoned(q, k, v, causal=True)
+    _check(q, k, v, True, o, lse)
+
+
+def test_public_api_uses_kernel_and_differentiates():
+    q, k, v = _inputs(1, 24, 40, 4, 2, 32, 32, torch.float32, seed=5)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    o, lse = onlineattn.attention(q, k, v, causal=True, return_lse=True, backend="triton")
+    do = torch.randn_like(o)
+    (o * do).sum().backward()
+    exact = R.naive_attention_backward(q, k, v, do, causal=True)
+    for name, got, want in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), exact):
+        R.assert_within_rule(name, got, want, dtype_name="float32")
+
+
+def test_triton_backend_rejects_float64():
+    q = torch.randn(1, 4, 2, 16, dtype=torch.float64, device=DEVICE)
+    with pytest.raises(TypeError, match="float64"):
+        onlineattn.attention(q, q, q, backend="triton")
+
+
+def test_fake_impl_matches_real_shapes():
+    q, k, v = _inputs(2, 9, 13, 4, 2, 40, 24, torch.float16, seed=6)
+    torch.library.opcheck(torch.ops.onlineattn.attention_fwd, (q, k, v, 0.25, True), test_utils=("test_schema", "test_faketensor"))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU only: bf16 at scale, long sequences, memory.
+
+
+def _check_rows(q, k, v, causal, o, lse, rows: slice):
+    """Check query rows ``rows`` against float64 math on the GPU. For bottom-right causal, rows [a, c) equal attention
+    of q[a:c] over the first ``c + Sk - Sq`` keys, so long sequences are checked without an N×N float64 matrix."""
+    sq, sk = q.shape[1], k.shape[1]
+    stop_k = min(sk, rows.stop + sk - sq) if causal else sk
+    qs, ks, vs = q[:, rows], k[:, :stop_k], v[:, :stop_k]
+    exact_o, exact_lse = R.torch_math_attention(qs.double(), ks.double(), vs.double(), causal=causal)
+    base_o, base_lse = R.torch_math_attention(qs, ks, vs, causal=causal)
+    R.assert_within_rule("o", o[:, rows], exact_o, base_o, _name(q.dtype))
+    R.assert_within_rule("lse", lse[:, :, rows], exact_lse, base_lse, _name(q.dtype))
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "b,n,hq,hkv,d",
+    [(4, 16384, 2, 2, 256), (4, 16384, 4, 4, 128), (2, 8192, 8, 8, 64), (1, 32768, 32, 8, 128), (3, 4099, 6, 2, 160)],
+)
+def test_large_shapes_bf16(b, n, hq, hkv, d, causal):
+    q, k, v = _inputs(b, n, n, hq, hkv, d, d, torch.bfloat16, seed=n + d, device="cuda")
+    o, lse = _run_poisoned(q, k, v, causal)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "unwritten elements"
+    for rows in (slice(0, 256), slice(n // 2 - 128, n // 2 + 128), slice(n - 256, n)):
+        _check_rows(q, k, v, causal, o, lse, rows)
+
+
+@gpu
+@pytest.mark.parametrize("d", [8, 40, 72, 80, 96, 112, 160, 192])
+def test_every_head_dim_bf16(d):
+    q, k, v = _inputs(2, 300, 513, 4, 2, d, d, torch.bfloat16, seed=d, device="cuda")
+    o, lse = _run_poisoned(q, k, v, causal=True)
+    _check(q, k, v, True, o, lse)
+
+
+@gpu
+def test_forward_memory_is_linear():
+    b, n, h, d = 1, 65536, 16, 128
+    q, k, v = _inputs(b, n, n, h, h, d, d, torch.bfloat16, seed=7, device="cuda")
+    budget = 4 * q.numel() * q.element_size() + b * h * n * 4  # q + k + v + o, + lse
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    onlineattn.attention(q, k, v, causal=True)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    assert peak < 1.1 * budget, f"peak {peak / 2**20:.0f} MiB vs budget {budget / 2**20:.0f} MiB"
