@@ -15,12 +15,9 @@ from onlineattn.ops._configs import FwdConfig
 from onlineattn.ops.forward import forward
 
 CANDIDATES = [
-    FwdConfig(bm, bn, w, s)
-    for bm, bn, w, s in [
-        (128, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2),
-        (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 4, 3), (64, 64, 4, 2),
-        (128, 64, 4, 4), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 8, 3),
-    ]
+    FwdConfig(bm, bn, w, s, tma, ws)
+    for bm, bn, w, s in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3)]
+    for tma, ws in [(False, False), (True, False), (False, True), (True, True)]
 ]
 
 
@@ -45,13 +42,16 @@ def main():
                         )
                     except Exception as err:  # out of shared memory or registers for this tile
                         scores.append((0.0, cfg))
-                        print(f"  d={d} {cfg}: {type(err).__name__}")
+                        print(f"  d={d} {cfg}: {type(err).__name__}: {str(err).splitlines()[0][:100] if str(err) else ''}")
                         continue
                     tf = case.flops("fwd") / ms / 1e9
                     scores.append((tf, cfg))
                     results.append({"d": d, "causal": causal, "n": n, "config": cfg.__dict__, "tflops": round(tf, 1)})
                 scores.sort(key=lambda t: -t[0])
-                top = ", ".join(f"{tf:.0f} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}" for tf, c in scores[:4])
+                top = ", ".join(
+                    f"{tf:.0f} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} t{int(c.tma)}ws{int(c.warp_specialize)}"
+                    for tf, c in scores[:5]
+                )
                 print(f"d={d} causal={int(causal)} N={n}: {top}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

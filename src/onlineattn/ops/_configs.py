@@ -13,19 +13,28 @@ class FwdConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False  # K/V through tensor descriptors (the bulk copy engine) where strides allow
+    warp_specialize: bool = False  # tl.range(warp_specialize=True) on the unmasked key loop (see the note below)
 
 
 # Interpreter runs (CPU tensors, TRITON_INTERPRET=1): bigger tiles mean fewer Python-level programs; stages and warps
 # have no meaning there.
 _INTERPRETER = FwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
 
-# H200, bf16/fp16, keyed by padded head dim. Provisional until the sweep in benchmarks/ is recorded.
+# H200, bf16/fp16, keyed by padded head dim. benchmarks/sweep_fwd.py, 2026-11-29, bf16, peers' grid shapes:
+# - d = 128, N = 4096: 64x64 w4 s3 with K/V through tensor descriptors (TMA) gave 519 non-causal / 470 causal
+#   TFLOP/s; the best pointer-load tile gave 483 / 432 (128x128 w8 s3 / 64x64 w4 s3).
+# - d = 64, N = 4096: the same TMA tile gave 440 / 399; the best pointer tiles 445 (64x64 w4) / 393 (128x64 w8).
+# - d = 256, N = 2048/8192: 128x32 w8 s3 (430-465 non-causal) beats 64x64 w4 s3 (339-368); every 128x64 or
+#   64x128 tile runs out of shared memory. TMA was not swept at d = 256.
+# - tl.range(warp_specialize=True) fails to compile this kernel on sm_90 with triton 3.6 (NVGPUWarpSpecialization
+#   pass asserts), so no entry uses it.
 _FWD_HALF = {
-    16: FwdConfig(128, 64, 4, 3),
-    32: FwdConfig(128, 64, 4, 3),
-    64: FwdConfig(128, 64, 4, 3),
-    128: FwdConfig(128, 64, 8, 3),
-    256: FwdConfig(64, 64, 4, 2),
+    16: FwdConfig(64, 64, 4, 3, tma=True),
+    32: FwdConfig(64, 64, 4, 3, tma=True),
+    64: FwdConfig(64, 64, 4, 3, tma=True),
+    128: FwdConfig(64, 64, 4, 3, tma=True),
+    256: FwdConfig(128, 32, 8, 3),
 }
 
 # fp32 tiles take twice the shared memory and run as ieee fp32 (exactness before speed): smaller tiles.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ._common import LOG2E, finalize_state, online_softmax_step
 from ._configs import fwd_config
@@ -33,11 +34,13 @@ def attention_fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     # Causal tiles near the bottom have the most key blocks: launch them first so the tail of the grid is short.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
-    off_b = (pid_bh // heads_kv).to(tl.int64)
+    pid_b = pid_bh // heads_kv  # int32 coordinate for tensor descriptors
+    off_b = pid_b.to(tl.int64)  # int64 for pointer arithmetic: B·S·H·D may pass 2^31
     off_hkv = pid_bh % heads_kv
 
     o_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -52,8 +55,9 @@ def attention_fwd_kernel(
 
     p_q = Q + off_b * stride_qb + o_i[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
-    p_kt = K + off_b * stride_kb + off_hkv * stride_kh + o_n[None, :] * stride_ks + o_d[:, None]
-    p_v = V + off_b * stride_vb + off_hkv * stride_vh + o_n[:, None] * stride_vs + o_dv[None, :]
+    if not USE_TMA:
+        p_kt = K + off_b * stride_kb + off_hkv * stride_kh + o_n[None, :] * stride_ks + o_d[:, None]
+        p_v = V + off_b * stride_vb + off_hkv * stride_vh + o_n[:, None] * stride_vs + o_dv[None, :]
 
     # Key range. diag: query i sees key j when j <= i + diag (bottom-right alignment).
     diag = seqlen_k - seqlen_q
@@ -70,23 +74,35 @@ def attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    for start_n in range(0, full_hi, BLOCK_N):
-        b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None], other=0.0)
+    for start_n in tl.range(0, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        if USE_TMA:  # K and V are [B, Sk, Hkv, D] tensor descriptors; the copy engine zero-fills past the end
+            b_kt = tl.trans(K.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_D))
+        else:
+            b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None], other=0.0)
         qk = tl.dot(b_q, b_kt, input_precision=INPUT_PRECISION)
         p, m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, qk_scale, MASKED=False)
-        b_v = tl.load(p_v + start_n * stride_vs, mask=m_dv[None, :], other=0.0)
+        if USE_TMA:
+            b_v = V.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_DV)
+        else:
+            b_v = tl.load(p_v + start_n * stride_vs, mask=m_dv[None, :], other=0.0)
         acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
 
     for start_n in range(full_hi, hi, BLOCK_N):
         m_n = (start_n + o_n) < seqlen_k
-        b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None] & m_n[None, :], other=0.0)
+        if USE_TMA:
+            b_kt = tl.trans(K.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_D))
+        else:
+            b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None] & m_n[None, :], other=0.0)
         qk = tl.dot(b_q, b_kt, input_precision=INPUT_PRECISION)
         visible = m_n[None, :]
         if CAUSAL:
             visible = visible & ((start_n + o_n)[None, :] <= o_i[:, None] + diag)
         qk = tl.where(visible, qk, float("-inf"))
         p, m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, qk_scale, MASKED=True)
-        b_v = tl.load(p_v + start_n * stride_vs, mask=m_n[:, None] & m_dv[None, :], other=0.0)
+        if USE_TMA:
+            b_v = V.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_DV)
+        else:
+            b_v = tl.load(p_v + start_n * stride_vs, mask=m_n[:, None] & m_dv[None, :], other=0.0)
         acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
 
     b_o, b_lse = finalize_state(m_i, l_i, acc)
@@ -100,6 +116,14 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _tma_ok(*tensors) -> bool:
+    """The copy engine needs a CUDA tensor with a 16-byte aligned base and 16-byte multiples for the outer strides."""
+    return all(
+        x.is_cuda and x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+        for x in tensors
+    )
 
 
 def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, config=None):
@@ -120,9 +144,15 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
         return o, lse
     group = hq // hkv
     cfg = config or fwd_config(d, dv, q.dtype, causal, q.device.type)
+    block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+    use_tma = cfg.tma and _tma_ok(k, v)
+    k_arg, v_arg = k, v
+    if use_tma:
+        k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, cfg.block_n, 1, block_d])
+        v_arg = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, cfg.block_n, 1, block_dv])
     grid = (triton.cdiv(sq * group, cfg.block_m), b * hkv)
     attention_fwd_kernel[grid](
-        q, k, v, o, lse,
+        q, k_arg, v_arg, o, lse,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -130,9 +160,9 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
         lse.stride(0), lse.stride(1),
         sq, sk, hkv, scale * LOG2E,
         GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=causal, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse
