@@ -14,27 +14,40 @@ from onlineattn.bench.prefill import Case
 from onlineattn.ops._configs import FwdConfig
 from onlineattn.ops.forward import forward
 
-CANDIDATES = [
-    FwdConfig(bm, bn, w, s, tma, ws)
-    for bm, bn, w, s in [(128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 32, 8, 3), (128, 64, 4, 3)]
-    for tma, ws in [(False, False), (True, False), (False, True), (True, True)]
-]
+CANDIDATES = {
+    "small_d": [
+        FwdConfig(bm, bn, w, s, tma)
+        for bm, bn, w, s, tma in [
+            (64, 64, 4, 3, True), (64, 64, 4, 4, True), (64, 64, 4, 2, True), (128, 64, 8, 3, True),
+            (128, 128, 8, 3, True), (64, 128, 4, 3, True), (128, 64, 4, 3, True), (64, 32, 4, 3, True),
+            (64, 64, 4, 3, False), (128, 64, 8, 3, False),
+        ]
+    ],
+    "d256": [
+        FwdConfig(bm, bn, w, s, tma)
+        for bm, bn, w, s, tma in [
+            (128, 32, 8, 3, False), (128, 32, 8, 3, True), (64, 32, 4, 3, True), (64, 64, 4, 2, True),
+            (64, 64, 8, 2, True), (128, 32, 8, 2, True),
+        ]
+    ],
+}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--d", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--n", type=int, nargs="*", default=[1024, 8192])
+    ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     results = []
     for d in args.d:
-        for causal in (False, True):
+        for causal in map(bool, args.causal):
             for n in args.n:
                 case = Case(16384 // n, 2048 // d, n, d, causal)
                 q, k, v = (torch.randn(case.b, n, case.h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 scores = []
-                for cfg in CANDIDATES:
+                for cfg in CANDIDATES["d256" if d > 128 else "small_d"]:
                     try:
                         ms = triton.testing.do_bench(
                             lambda: forward(q, k, v, d**-0.5, causal, config=cfg), warmup=10, rep=40,
@@ -49,8 +62,8 @@ def main():
                     results.append({"d": d, "causal": causal, "n": n, "config": cfg.__dict__, "tflops": round(tf, 1)})
                 scores.sort(key=lambda t: -t[0])
                 top = ", ".join(
-                    f"{tf:.0f} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} t{int(c.tma)}ws{int(c.warp_specialize)}"
-                    for tf, c in scores[:5]
+                    f"{tf:.0f} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} tma{int(c.tma)}"
+                    for tf, c in scores[:6]
                 )
                 print(f"d={d} causal={int(causal)} N={n}: {top}", flush=True)
     if args.json:
