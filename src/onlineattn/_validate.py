@@ -95,12 +95,17 @@ def check_backend(backend) -> str:
 
 
 def check_not_yet(name: str, value, default, issue: int) -> None:
-    """Reject a keyword whose feature has not landed yet (it is tracked by ``issue``)."""
-    if value is None and default is None:
+    """Reject a keyword whose feature has not landed yet (it is tracked by ``issue``).
+
+    Only plain Python values can equal the default; a tensor or array is rejected without comparing it (its ``==``
+    is elementwise), and the message names its type, not its contents.
+    """
+    if value is default or (type(value) is type(default) and value == default):
         return
-    if value == default:
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool) and value == default:
         return
-    raise NotImplementedError(f"{name}={value!r} is not supported yet (tracked by issue #{issue})")
+    shown = f"a {type(value).__name__}" if hasattr(value, "shape") else repr(value)
+    raise NotImplementedError(f"{name}={shown} is not supported yet (tracked by issue #{issue})")
 
 
 def check_states(o_a, lse_a, o_b, lse_b) -> None:

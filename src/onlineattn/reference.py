@@ -218,7 +218,15 @@ def error_bound(exact, baseline, dtype_name: str) -> float:
         return 1e-12 * max(scale, 1.0)
     if dtype_name == "float32":
         return 1e-5 * max(scale, 1.0)
-    base_err = float(np.abs(_f64(baseline)[finite] - exact[finite]).max()) if finite.any() else 0.0
+    if dtype_name not in _QUANTUM:
+        raise ValueError(f"no error rule for dtype {dtype_name!r}; expected one of {sorted(_QUANTUM)}")
+    if baseline is None:
+        raise ValueError(f"the {dtype_name} rule needs the same-dtype baseline (torch_math_attention's result)")
+    base = _f64(baseline)[finite]
+    if not np.isfinite(base).all():
+        # An overflowing baseline would make the bound infinite and let anything pass.
+        raise ValueError(f"the {dtype_name} baseline is not finite where the exact result is; pick other inputs")
+    base_err = float(np.abs(base - exact[finite]).max()) if finite.any() else 0.0
     return 2.0 * base_err + 2.0 * _QUANTUM[dtype_name] * max(scale, 1.0)
 
 

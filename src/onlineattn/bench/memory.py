@@ -7,6 +7,7 @@ so the figure counts every page the call touched, whatever allocated it.
 
 from __future__ import annotations
 
+import ctypes
 import gc
 from pathlib import Path
 
@@ -33,6 +34,15 @@ def cpu_peak_supported() -> bool:
     return True
 
 
+def _release_freed_heap() -> None:
+    """Hand freed heap pages back to the OS. glibc keeps freed blocks below its adaptive mmap threshold (up to 32 MiB)
+    resident, so without this an earlier call's buffers count as "already there" and the peak reads too low."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the figure is then a lower bound
+        pass
+
+
 def peak_extra_bytes(fn, device: torch.device | str = "cpu"):
     """Run ``fn()`` and return ``(result, bytes)``: how far memory rose above where it stood before the call."""
     device = torch.device(device)
@@ -46,6 +56,8 @@ def peak_extra_bytes(fn, device: torch.device | str = "cpu"):
         return result, torch.cuda.max_memory_allocated(device) - before
     if not cpu_peak_supported():
         raise RuntimeError("measuring CPU peak memory needs Linux's /proc/self/clear_refs")
+    _release_freed_heap()
+    _CLEAR_REFS.write_text("5")
     before = _status_bytes("VmRSS:")
     result = fn()
     return result, max(0, _status_bytes("VmHWM:") - before)

@@ -163,11 +163,3 @@ def main(args) -> int:
         commit=args.commit)
     return 0
 
-
-if __name__ == "__main__":
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m onlineattn.bench.prefill")
-    add_parser(parser.add_subparsers(dest="cmd", required=True))
-    parsed = parser.parse_args()
-    raise SystemExit(parsed.func(parsed))

@@ -1,0 +1,176 @@
+"""The public surface: return conventions, backend dispatch, keywords that later issues implement, and merge_states."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import onlineattn
+from onlineattn import reference as R
+
+DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _qkv(gen, b=1, sq=9, sk=13, hq=4, hkv=2, d=16, dv=16, dtype=torch.float32):
+    return tuple(
+        torch.randn(shape, generator=gen).to(dtype) for shape in ((b, sq, hq, d), (b, sk, hkv, d), (b, sk, hkv, dv))
+    )
+
+
+def _check(name, ours, exact, baseline, dtype):
+    """``assert_within_rule``, refusing a non-finite baseline (it would make the bound void)."""
+    if dtype in (torch.float16, torch.bfloat16):
+        finite = np.isfinite(R._f64(exact))
+        assert np.isfinite(R._f64(baseline)[finite]).all(), f"{name}: baseline not finite"
+    R.assert_within_rule(name, ours, exact, baseline, _name(dtype))
+
+
+def test_return_conventions():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = _qkv(gen, dv=24)
+    o = onlineattn.attention(q, k, v)
+    assert isinstance(o, torch.Tensor) and o.shape == (1, 9, 4, 24)
+    out = onlineattn.attention(q, k, v, return_lse=True)
+    assert isinstance(out, tuple) and len(out) == 2
+    assert torch.equal(out[0], o) and out[1].shape == (1, 4, 9)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_auto_backend_on_cpu_is_the_torch_path(dtype, causal):
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = _qkv(gen, dtype=dtype)
+    auto = onlineattn.attention(q, k, v, causal=causal, return_lse=True)
+    forced = onlineattn.attention(q, k, v, causal=causal, return_lse=True, backend="torch")
+    for a, b in zip(auto, forced):
+        assert torch.equal(a, b)
+
+
+def test_defaults_accepted_explicitly():
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = _qkv(gen)
+    want = onlineattn.attention(q, k, v)
+    got = onlineattn.attention(
+        q, k, v, causal=False, softmax_scale=None, window_size=[-1, -1], softcap=0.0, alibi_slopes=None,
+        dropout_p=0.0, attn_bias=None, sinks=None, deterministic=False, return_lse=False, backend="torch",
+    )
+    assert torch.equal(got, want)
+
+
+NOT_YET = {
+    "window_size": (4, 0),
+    "softcap": 30.0,
+    "alibi_slopes": torch.ones(4),
+    "dropout_p": 0.1,
+    "attn_bias": torch.zeros(1, 4, 9, 13),
+    "sinks": torch.zeros(4),
+}
+
+
+@pytest.mark.parametrize("keyword", list(NOT_YET))
+def test_not_yet_keywords_raise_naming_the_issue(keyword):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = _qkv(gen)
+    with pytest.raises(NotImplementedError) as info:
+        onlineattn.attention(q, k, v, **{keyword: NOT_YET[keyword]})
+    msg = str(info.value)
+    assert keyword in msg and re.search(r"issue #?\d+", msg), msg
+
+
+# ---- merge_states (torch) ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+@pytest.mark.parametrize("split", ["empty-first", "random", "empty-last"])
+def test_merge_of_key_split_equals_full_attention(dtype, split):
+    """Attention over keys [0, s) and [s, Sk), merged, is attention over all keys (GQA, Dv != D)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = _qkv(gen, b=2, sq=17, sk=41, hq=6, hkv=2, d=24, dv=8, dtype=dtype)
+    s = {"empty-first": 0, "empty-last": 41, "random": int(torch.randint(1, 41, (1,), generator=gen))}[split]
+    o_a, lse_a = onlineattn.attention(q, k[:, :s], v[:, :s], return_lse=True)
+    o_b, lse_b = onlineattn.attention(q, k[:, s:], v[:, s:], return_lse=True)
+    if split != "random":  # the empty part really is empty
+        empty_lse = lse_a if s == 0 else lse_b
+        assert torch.all(torch.isneginf(empty_lse))
+    o, lse = onlineattn.merge_states(o_a, lse_a, o_b, lse_b)
+    o_exact, lse_exact = R.naive_attention(q, k, v, return_lse=True)
+    o_base, lse_base = R.torch_math_attention(q, k, v)
+    _check("o", o, o_exact, o_base, dtype)
+    _check("lse", lse, lse_exact, lse_base, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=_name)
+def test_merge_matches_oracle_merge_with_inf(dtype):
+    """Arbitrary states, some rows -inf in one part, some in both: agrees with reference.merge_states."""
+    gen = torch.Generator().manual_seed(5)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    o_a, o_b = (torch.randn(2, 7, 3, 5, generator=gen, dtype=dtype) for _ in range(2))
+    lse_a, lse_b = (torch.randn(2, 3, 7, generator=gen, dtype=lse_dtype) * 5 for _ in range(2))
+    lse_a[:, :, :2] = float("-inf")
+    lse_b[:, :, 1:3] = float("-inf")  # row 1: both empty
+    lse_b[0, 1, 5] = float("-inf")
+    o, lse = onlineattn.merge_states(o_a, lse_a, o_b, lse_b)
+    o_exact, lse_exact = R.merge_states(o_a, lse_a, o_b, lse_b)
+    R.assert_within_rule("o", o, o_exact, None, _name(dtype))
+    R.assert_within_rule("lse", lse, lse_exact, None, _name(dtype))
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert torch.all(o[:, 1] == 0) and torch.all(torch.isneginf(lse[:, :, 1]))
+    assert torch.equal(o[:, 0], o_b[:, 0]) and torch.equal(lse[:, :, 0], lse_b[:, :, 0])  # a is empty: b exactly
+    assert torch.equal(o[:, 2], o_a[:, 2]) and torch.equal(lse[:, :, 2], lse_a[:, :, 2])  # b is empty: a exactly
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_name)
+def test_merge_both_empty(dtype):
+    o_a, o_b = torch.randn(1, 4, 2, 3).to(dtype), torch.randn(1, 4, 2, 3).to(dtype)
+    lse_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    neg_inf = torch.full((1, 2, 4), float("-inf"), dtype=lse_dtype)
+    o, lse = onlineattn.merge_states(o_a, neg_inf, o_b, neg_inf.clone())
+    assert torch.all(o == 0) and torch.all(torch.isneginf(lse))
+
+
+@pytest.mark.parametrize(
+    "o_dtype,lse_dtype,want_lse",
+    [
+        (torch.float16, torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32, torch.float32),
+        (torch.float32, torch.float32, torch.float32),
+        (torch.float64, torch.float64, torch.float64),
+    ],
+    ids=lambda x: _name(x) if isinstance(x, torch.dtype) else x,
+)
+def test_merge_dtypes(o_dtype, lse_dtype, want_lse):
+    gen = torch.Generator().manual_seed(6)
+    o_a, o_b = (torch.randn(1, 3, 2, 4, generator=gen).to(o_dtype) for _ in range(2))
+    lse_a, lse_b = (torch.randn(1, 2, 3, generator=gen).to(lse_dtype) for _ in range(2))
+    o, lse = onlineattn.merge_states(o_a, lse_a, o_b, lse_b)
+    assert o.dtype == o_dtype and lse.dtype == want_lse
+    assert o.shape == o_a.shape and lse.shape == lse_a.shape
+
+
+# ---- CUDA: the torch path on the device ------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+def test_torch_backend_on_cuda(dtype):
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (x.cuda().requires_grad_() for x in _qkv(gen, sq=70, sk=300, dtype=dtype))
+    o, lse = onlineattn.attention(q, k, v, causal=True, return_lse=True, backend="torch")
+    assert o.is_cuda and lse.is_cuda
+    do = torch.randn(o.shape, generator=gen).to(dtype).cuda()
+    o.backward(do)
+    qb, kb, vb = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    o_base, lse_base = R.torch_math_attention(qb, kb, vb, causal=True)
+    o_base.backward(do)
+    _check("o", o, R.naive_attention(q, k, v, causal=True), o_base, dtype)
+    _check("lse", lse, R.naive_attention(q, k, v, causal=True, return_lse=True)[1], lse_base, dtype)
+    for name, x, xb, exact in zip(("dq", "dk", "dv"), (q, k, v), (qb, kb, vb), R.naive_attention_backward(q, k, v, do, causal=True)):
+        _check(name, x.grad, exact, xb.grad, dtype)
