@@ -257,3 +257,15 @@ def test_deterministic_bitwise(dtype):
         runs.append((o, lse, *(x.grad for x in leaves)))
     for a, b in zip(*runs):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_double_backward_is_refused_clearly(backend):
+    q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
+    o = onlineattn.attention(q, k, v, backend=backend)
+    (dq,) = torch.autograd.grad(o.sum(), q, create_graph=False)
+    assert dq.shape == q.shape
+    o = onlineattn.attention(q, k, v, backend=backend)
+    with pytest.raises((NotImplementedError, RuntimeError), match="differentiable|double backward|does not require grad"):
+        (dq,) = torch.autograd.grad(o.sum(), q, create_graph=True)
+        dq.sum().backward()
