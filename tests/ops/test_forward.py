@@ -193,3 +193,20 @@ def test_gradients_through_kernel_bf16(causal):
     exact = R.naive_attention_backward(q, k, v, do, causal=causal)
     for name, got, want, ref in zip(("dq", "dk", "dv"), ours, exact, base):
         R.assert_within_rule(name, got.grad, want, ref.grad, "bfloat16")
+
+
+def test_batches_beyond_the_grid_limit_launch_in_slices(monkeypatch):
+    """CUDA allows 65535 program columns; with a small stand-in limit the batch is split over several launches."""
+    monkeypatch.setattr(F, "MAX_GRID_Y", 4)  # 2 kv heads -> 2 batch entries per launch, 3 launches for 5
+    q, k, v = _inputs(5, 19, 23, 4, 2, 32, 32, torch.float16, seed=10)
+    o, lse = _run_poisoned(q, k, v, causal=True)
+    _check(q, k, v, True, o, lse)
+
+
+def test_offsets_beyond_int32_are_refused_before_launch():
+    n = 2**22 + 1  # one row past 2^31 elements in one batch entry
+    q = torch.empty(1, n, 8, 64, dtype=torch.float16, device="meta")
+    o = torch.empty_like(q)
+    lse = torch.empty(1, 8, n, device="meta")
+    with pytest.raises(ValueError, match="int32"):
+        F.forward(q, q[:, :8], q[:, :8], 0.125, False, out=o, lse_out=lse)

@@ -126,6 +126,16 @@ def _tma_ok(*tensors) -> bool:
     )
 
 
+# CUDA caps the grid's second axis (one program column per (batch, kv head)); larger batches launch in slices.
+MAX_GRID_Y = 65535
+INT32_LIMIT = 2**31
+
+
+def _int32_offsets_ok(x: torch.Tensor) -> bool:
+    """The kernel adds offsets within one batch element in int32 (the batch offset is int64): the largest must fit."""
+    return sum((size - 1) * stride for size, stride in zip(x.shape[1:], x.stride()[1:])) < INT32_LIMIT
+
+
 def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, config=None):
     """Launch the kernel: ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hkv, D]``, ``v [B, Sk, Hkv, Dv]`` (validated by the caller)
     -> ``(o [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``. ``out``/``lse_out`` let tests pass pre-poisoned buffers;
@@ -134,18 +144,36 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32; q has dtype {q.dtype}")
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    b, sq, hq, d = q.shape
-    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    b, sq, hq, _ = q.shape
+    hkv, dv = k.shape[2], v.shape[3]
     o = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device) if out is None else out
     lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse_out is None else lse_out
     if o.stride(-1) != 1 or lse.stride(-1) != 1:
         raise ValueError("out and lse_out must be contiguous in their last dim")
     if b * sq * hq == 0:
         return o, lse
-    group = hq // hkv
-    cfg = config or fwd_config(d, dv, q.dtype, causal, q.device.type)
-    block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+    if hkv > MAX_GRID_Y:
+        raise ValueError(f"k has {hkv} heads; the Triton kernel takes at most {MAX_GRID_Y} kv heads")
+    cfg = config or fwd_config(q.shape[3], dv, q.dtype, causal, q.device.type)
     use_tma = cfg.tma and _tma_ok(k, v)
+    for name, x in (("q", q), ("o", o), ("lse", lse)) + (() if use_tma else (("k", k), ("v", v))):
+        if not _int32_offsets_ok(x):
+            raise ValueError(
+                f"{name} of shape {tuple(x.shape)} spans more than 2^31 elements within one batch entry, beyond the "
+                "int32 offsets of the Triton kernel; split the sequence and merge the parts with merge_states"
+            )
+    per_launch = MAX_GRID_Y // hkv
+    for b0 in range(0, b, per_launch):
+        rows = slice(b0, min(b, b0 + per_launch))
+        _launch(q[rows], k[rows], v[rows], o[rows], lse[rows], scale, causal, cfg, use_tma)
+    return o, lse
+
+
+def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool) -> None:
+    b, sq, hq, d = q.shape
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    group = hq // hkv
+    block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
     k_arg, v_arg = k, v
     if use_tma:
         k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, cfg.block_n, 1, block_d])
@@ -165,7 +193,6 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
         USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return o, lse
 
 
 # ---------------------------------------------------------------------------------------------------------------
