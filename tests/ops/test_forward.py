@@ -51,6 +51,7 @@ SHAPES = [  # b, sq, sk, hq, hkv, d, dv
     (1, 33, 47, 2, 2, 256, 256),
     (1, 31, 45, 4, 2, 72, 40),  # Dv != D, neither a power of two
     (1, 20, 24, 2, 1, 8, 8),
+    (1, 20, 26, 6, 2, 32, 32),  # group of 3: row tiles split groups unevenly
 ]
 
 

@@ -59,3 +59,25 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
         return _INTERPRETER
     table = _FWD_FP32 if dtype == torch.float32 else _FWD_HALF
     return table[_padded(max(head_dim, head_dim_v))]
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    block_m: int  # packed query rows per tile (dQ program; dK/dV inner loop)
+    block_n: int  # keys per tile (dK/dV program; dQ inner loop)
+    num_warps: int
+    num_stages: int
+
+
+_BWD_INTERPRETER = BwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+
+# Provisional and unmeasured: FlashAttention-2-style 64x64 tiles (32 keys at d = 256 to fit shared memory). The CUDA
+# path does not dispatch to the Triton backward until issue #4's GPU run measures these.
+_BWD_CUDA = {16: BwdConfig(64, 64, 4, 2), 32: BwdConfig(64, 64, 4, 2), 64: BwdConfig(64, 64, 4, 2),
+             128: BwdConfig(64, 64, 8, 2), 256: BwdConfig(64, 32, 8, 1)}
+
+
+def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str) -> BwdConfig:
+    if device_type != "cuda":
+        return _BWD_INTERPRETER
+    return _BWD_CUDA[_padded(max(head_dim, head_dim_v))]

@@ -131,9 +131,22 @@ MAX_GRID_Y = 65535
 INT32_LIMIT = 2**31
 
 
-def _int32_offsets_ok(x: torch.Tensor) -> bool:
-    """The kernel adds offsets within one batch element in int32 (the batch offset is int64): the largest must fit."""
-    return sum((size - 1) * stride for size, stride in zip(x.shape[1:], x.stride()[1:])) < INT32_LIMIT
+def check_int32_offsets(**tensors) -> None:
+    """The kernels add offsets within one batch entry in int32 (the batch offset is int64): the largest must fit."""
+    for name, x in tensors.items():
+        if sum((size - 1) * stride for size, stride in zip(x.shape[1:], x.stride()[1:])) >= INT32_LIMIT:
+            raise ValueError(
+                f"{name} of shape {tuple(x.shape)} spans more than 2^31 elements within one batch entry, beyond the "
+                "int32 offsets of the Triton kernels; split the sequence and merge the parts with merge_states"
+            )
+
+
+def batch_slices(batch: int, programs_per_entry: int):
+    """Slices of the batch small enough that ``slice length × programs_per_entry`` fits CUDA's grid-y limit."""
+    if programs_per_entry > MAX_GRID_Y:
+        raise ValueError(f"{programs_per_entry} heads exceed the Triton kernels' limit of {MAX_GRID_Y}")
+    per_launch = MAX_GRID_Y // programs_per_entry
+    return [slice(b0, min(batch, b0 + per_launch)) for b0 in range(0, batch, per_launch)]
 
 
 def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, config=None):
@@ -152,19 +165,10 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
         raise ValueError("out and lse_out must be contiguous in their last dim")
     if b * sq * hq == 0:
         return o, lse
-    if hkv > MAX_GRID_Y:
-        raise ValueError(f"k has {hkv} heads; the Triton kernel takes at most {MAX_GRID_Y} kv heads")
     cfg = config or fwd_config(q.shape[3], dv, q.dtype, causal, q.device.type)
     use_tma = cfg.tma and _tma_ok(k, v)
-    for name, x in (("q", q), ("o", o), ("lse", lse)) + (() if use_tma else (("k", k), ("v", v))):
-        if not _int32_offsets_ok(x):
-            raise ValueError(
-                f"{name} of shape {tuple(x.shape)} spans more than 2^31 elements within one batch entry, beyond the "
-                "int32 offsets of the Triton kernel; split the sequence and merge the parts with merge_states"
-            )
-    per_launch = MAX_GRID_Y // hkv
-    for b0 in range(0, b, per_launch):
-        rows = slice(b0, min(b, b0 + per_launch))
+    check_int32_offsets(q=q, o=o, lse=lse, **({} if use_tma else {"k": k, "v": v}))  # descriptors index K/V
+    for rows in batch_slices(b, hkv):
         _launch(q[rows], k[rows], v[rows], o[rows], lse[rows], scale, causal, cfg, use_tma)
     return o, lse
 
