@@ -86,3 +86,35 @@ def test_empty_keys_give_zero_gradients():
     o, lse = F.forward(q, k, v, 0.25, False)
     dq, dk, dv = B.backward(do, q, k, v, o, lse, 0.25, False)
     assert torch.all(dq == 0) and dk.shape == k.shape and dv.shape == v.shape
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU only: bf16 at scale and determinism over many runs.
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "b,sq,sk,hq,hkv,d", [(2, 4096, 4096, 8, 2, 128), (1, 2048, 2048, 4, 4, 256), (1, 3000, 5000, 6, 3, 80)]
+)
+def test_large_shapes_bf16(b, sq, sk, hq, hkv, d, causal):
+    q, k, v, do = _case(b, sq, sk, hq, hkv, d, d, torch.bfloat16, seed=sq + d)
+    o, lse = F.forward(q, k, v, d**-0.5, causal)
+    grads = B.backward(do, q, k, v, o, lse, d**-0.5, causal)
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    (R.torch_math_attention(*leaves, causal=causal)[0] * do.double()).sum().backward()
+    base = _baseline_grads(q, k, v, do, causal)
+    for name, got, leaf, ref in zip(("dq", "dk", "dv"), grads, leaves, base):
+        R.assert_within_rule(name, got, leaf.grad, ref, "bfloat16")
+
+
+@gpu
+def test_backward_is_bitwise_deterministic_over_100_runs():
+    q, k, v, do = _case(2, 1000, 1000, 8, 2, 128, 128, torch.bfloat16, seed=14)
+    o, lse = F.forward(q, k, v, 128**-0.5, True)
+    first = B.backward(do, q, k, v, o, lse, 128**-0.5, True)
+    for _ in range(100):
+        again = B.backward(do, q, k, v, o, lse, 128**-0.5, True)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
