@@ -174,3 +174,19 @@ def test_torch_backend_on_cuda(dtype):
     _check("lse", lse, R.naive_attention(q, k, v, causal=True, return_lse=True)[1], lse_base, dtype)
     for name, x, xb, exact in zip(("dq", "dk", "dv"), (q, k, v), (qb, kb, vb), R.naive_attention_backward(q, k, v, do, causal=True)):
         _check(name, x.grad, exact, xb.grad, dtype)
+
+
+def test_compiled_training_step_on_the_torch_path_has_no_graph_break():
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(1, 37, 4, 16, generator=g) for _ in range(3))
+
+    def step(q, k, v):
+        o, lse = onlineattn.attention(q, k, v, causal=True, return_lse=True, backend="torch")
+        return (o * o).sum() + lse.sum()
+
+    compiled = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch.compile(step, fullgraph=True)(*compiled).backward()  # fullgraph=True raises on any graph break
+    eager = [x.clone().requires_grad_() for x in (q, k, v)]
+    step(*eager).backward()
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)

@@ -4,9 +4,11 @@
 import pytest
 import torch
 
+import onlineattn
 from onlineattn import reference as R
 from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
+from onlineattn.ops._configs import BwdConfig, BwdTile
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -22,10 +24,10 @@ def _case(b, sq, sk, hq, hkv, d, dv, dtype, seed):
     return make(b, sq, hq, d), make(b, sk, hkv, d), make(b, sk, hkv, dv), make(b, sq, hq, dv)
 
 
-def _baseline_grads(q, k, v, do, causal, dlse=None):
+def _baseline_grads(q, k, v, do, causal, dlse=None, scale=None):
     """Autograd of textbook attention in the inputs' own dtype: the error rule's baseline."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    o, lse = R.torch_math_attention(*leaves, causal=causal)
+    o, lse = R.torch_math_attention(*leaves, causal=causal, softmax_scale=scale)
     loss = (o * do).sum()
     if dlse is not None:
         loss = loss + (lse.float().masked_fill(torch.isinf(lse), 0.0) * dlse).sum()
@@ -81,6 +83,29 @@ def test_backward_is_bitwise_deterministic():
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+@pytest.mark.parametrize("hq,hkv", [(2, 2), (4, 2), (8, 2), (6, 2)], ids=["mha", "gqa2", "gqa4", "gqa3-pointer-fallback"])
+def test_copy_engine_path_matches_oracle(hq, hkv):
+    """Q/dO (dK/dV kernel) and K/V (dQ kernel) through tensor descriptors, which the interpreter emulates."""
+    tma = BwdConfig(BwdTile(32, 32, 4, 1, tma=True), BwdTile(32, 32, 4, 1, tma=True))
+    q, k, v, do = _case(2, 37, 51, hq, hkv, 40, 24, torch.float16, seed=hq)
+    o, lse = F.forward(q, k, v, 0.2, True)
+    grads = B.backward(do, q, k, v, o, lse, 0.2, True, config=tma)
+    exact = R.naive_attention_backward(q, k, v, do, causal=True, softmax_scale=0.2)
+    base = _baseline_grads(q, k, v, do, True, scale=0.2)
+    for name, got, want, ref in zip(("dq", "dk", "dv"), grads, exact, base):
+        R.assert_within_rule(name, got, want, ref, "float16")
+
+
+def test_backward_op_schema_and_fake():
+    q, k, v, do = _case(1, 9, 13, 4, 2, 40, 24, torch.float16, seed=15)
+    o, lse = F.forward(q, k, v, 0.25, True)
+    for dlse in (None, torch.randn_like(lse)):
+        torch.library.opcheck(
+            torch.ops.onlineattn.attention_bwd, (do, q, k, v, o, lse, dlse, 0.25, True),
+            test_utils=("test_schema", "test_faketensor"),
+        )
+
+
 def test_empty_keys_give_zero_gradients():
     q, k, v, do = _case(1, 5, 0, 2, 1, 16, 16, torch.float32, seed=13)
     o, lse = F.forward(q, k, v, 0.25, False)
@@ -118,3 +143,45 @@ def test_backward_is_bitwise_deterministic_over_100_runs():
     for _ in range(100):
         again = B.backward(do, q, k, v, o, lse, 128**-0.5, True)
         assert all(torch.equal(a, b) for a, b in zip(first, again))
+
+
+@gpu
+def test_custom_ops_pass_opcheck_on_gpu():
+    q, k, v, do = _case(2, 70, 90, 8, 2, 64, 64, torch.bfloat16, seed=16)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    torch.library.opcheck(torch.ops.onlineattn.attention_fwd, (q, k, v, 0.125, True))
+    o, lse = F.forward(q, k, v, 0.125, True)
+    torch.library.opcheck(torch.ops.onlineattn.attention_bwd, (do, q, k, v, o, lse, None, 0.125, True))
+
+
+@gpu
+def test_compiled_training_step_has_no_graph_break():
+    q, k, v, do = _case(2, 300, 300, 8, 2, 128, 128, torch.bfloat16, seed=17)
+
+    def step(q, k, v):
+        o, lse = onlineattn.attention(q, k, v, causal=True, return_lse=True)
+        return (o.float() * do.float()).sum() + lse.sum()
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    torch.compile(step, fullgraph=True)(*leaves).backward()  # fullgraph=True raises on any graph break
+    eager = [x.clone().requires_grad_() for x in (q, k, v)]
+    step(*eager).backward()
+    for a, b in zip(leaves, eager):
+        assert torch.equal(a.grad, b.grad), "compiled and eager runs of the same kernels differ"
+
+
+@gpu
+def test_training_memory_stays_linear():
+    """fwd+bwd at B = 1, H = 16, N = 131072, d = 128, causal, bf16 within 1.15 x (inputs + outputs + gradients)."""
+    b, n, h, d = 1, 131072, 16, 128
+    q, k, v, do = _case(b, n, n, h, h, d, d, torch.bfloat16, seed=18)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    tensor_bytes = q.numel() * q.element_size()
+    budget = 8 * tensor_bytes + b * h * n * 4  # q k v o do dq dk dv, + lse
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() - 4 * tensor_bytes  # q, k, v and do are already there
+    onlineattn.attention(q, k, v, causal=True).backward(do)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 1.15 * budget, f"peak {peak / 2**20:.0f} MiB vs budget {budget / 2**20:.0f} MiB"

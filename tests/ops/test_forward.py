@@ -184,7 +184,7 @@ def test_inference_and_autograd_paths_agree_bitwise():
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_through_kernel_bf16(causal):
-    """Until the Triton backward (issue #4) lands, the kernel's gradients come from the torch path's recomputation."""
+    """The public API's gradients on CUDA: the forward custom op's autograd formula runs the Triton backward."""
     q, k, v = _inputs(2, 300, 513, 8, 2, 128, 128, torch.bfloat16, seed=9, device="cuda")
     do = torch.randn(2, 300, 8, 128, device="cuda", dtype=torch.bfloat16)
     ours = [x.clone().requires_grad_() for x in (q, k, v)]

@@ -36,3 +36,28 @@ def finalize_state(m_i, l_i, acc):
     o = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     return o, lse
+
+
+@triton.jit
+def packed_rows(start_r, off_hkv, seqlen_q, BLOCK_M: tl.constexpr, GROUP: tl.constexpr):
+    """Rows ``[start_r, start_r + BLOCK_M)`` of one kv head's packed GQA rows: row ``r`` is query ``r // GROUP`` of head
+    ``off_hkv · GROUP + r % GROUP``, so a group's query heads share each K/V read. Returns (query, head, in range)."""
+    o_r = start_r + tl.arange(0, BLOCK_M)
+    return o_r // GROUP, off_hkv * GROUP + o_r % GROUP, o_r < seqlen_q * GROUP
+
+
+@triton.jit
+def key_range(start_r, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+              CAUSAL: tl.constexpr):
+    """Keys a tile of packed rows visits: ``[0, full_hi)`` in whole blocks every row sees (no mask work), then
+    ``[full_hi, hi)`` with the mask (the causal diagonal and the end of the keys). Keys past ``hi`` are hidden from
+    every row of the tile and never loaded. Query i sees key j when ``j <= i + seqlen_k - seqlen_q`` (bottom right)."""
+    hi = seqlen_k
+    full_hi = seqlen_k
+    if CAUSAL:
+        diag = seqlen_k - seqlen_q
+        first_q = start_r // GROUP
+        last_q = tl.minimum((start_r + BLOCK_M - 1) // GROUP, seqlen_q - 1)
+        hi = tl.maximum(tl.minimum(seqlen_k, last_q + diag + 1), 0)
+        full_hi = tl.maximum(tl.minimum(seqlen_k, first_q + diag + 1), 0)
+    return (full_hi // BLOCK_N) * BLOCK_N, hi

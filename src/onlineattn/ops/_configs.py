@@ -62,22 +62,41 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
 
 
 @dataclass(frozen=True)
-class BwdConfig:
-    block_m: int  # packed query rows per tile (dQ program; dK/dV inner loop)
-    block_n: int  # keys per tile (dK/dV program; dQ inner loop)
+class BwdTile:
+    block_m: int  # packed query rows per tile
+    block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    tma: bool = False  # the streamed operands (Q, dO for dK/dV; K, V for dQ) through tensor descriptors
 
 
-_BWD_INTERPRETER = BwdConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+@dataclass(frozen=True)
+class BwdConfig:
+    dkdv: BwdTile  # a program owns block_n keys and loops over tiles of block_m rows
+    dq: BwdTile  # a program owns block_m rows and loops over tiles of block_n keys
 
-# Provisional and unmeasured: FlashAttention-2-style 64x64 tiles (32 keys at d = 256 to fit shared memory). The CUDA
-# path does not dispatch to the Triton backward until issue #4's GPU run measures these.
-_BWD_CUDA = {16: BwdConfig(64, 64, 4, 2), 32: BwdConfig(64, 64, 4, 2), 64: BwdConfig(64, 64, 4, 2),
-             128: BwdConfig(64, 64, 8, 2), 256: BwdConfig(64, 32, 8, 1)}
+
+_BWD_INTERPRETER = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1))
+
+# Provisional and unmeasured: FlashAttention-2-style 64x64 tiles (32 keys at d = 256 to fit shared memory), until
+# benchmarks/sweep_bwd.py measures them on the H200.
+_BWD_CUDA = {
+    16: BwdConfig(BwdTile(64, 64, 4, 2), BwdTile(64, 64, 4, 2)),
+    32: BwdConfig(BwdTile(64, 64, 4, 2), BwdTile(64, 64, 4, 2)),
+    64: BwdConfig(BwdTile(64, 64, 4, 2), BwdTile(64, 64, 4, 2)),
+    128: BwdConfig(BwdTile(64, 64, 8, 2), BwdTile(64, 64, 8, 2)),
+    256: BwdConfig(BwdTile(64, 32, 8, 1), BwdTile(64, 32, 8, 1)),
+}
+
+# fp32 (ieee dots): half the elements per byte of shared memory, so smaller tiles; exactness, not speed, is the aim.
+_BWD_FP32_SMALL = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1))
+_BWD_FP32_D256 = BwdConfig(BwdTile(16, 16, 4, 1), BwdTile(16, 16, 4, 1))
 
 
 def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str) -> BwdConfig:
     if device_type != "cuda":
         return _BWD_INTERPRETER
-    return _BWD_CUDA[_padded(max(head_dim, head_dim_v))]
+    padded = _padded(max(head_dim, head_dim_v))
+    if dtype == torch.float32:
+        return _BWD_FP32_D256 if padded > 128 else _BWD_FP32_SMALL
+    return _BWD_CUDA[padded]

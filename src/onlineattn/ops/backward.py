@@ -13,19 +13,24 @@ No atomics anywhere, so results are bitwise reproducible by construction. Rows u
 query ``r // GROUP`` of head ``kv_head · GROUP + r % GROUP``. Scores are in the log2 domain (``qk_scale`` holds
 ``scale · log2 e`` and lse is converted once on load); a row with ``lse = -inf`` saw no key and gets ``P = 0``.
 
-Status: checked against the oracle through Triton's interpreter; not yet measured on the GPU, so the CUDA path still
-takes its gradients from the torch recomputation (``ops/forward.py``) until issue #4's GPU run.
+With ``USE_TMA`` the streamed operands come through the copy engine: Q and dO in the dK/dV kernel (boxes of
+``BLOCK_M / GROUP`` queries × ``GROUP`` heads, which are the packed rows in order), K and V in the dQ kernel.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import LOG2E
+from ._common import LOG2E, key_range, packed_rows
 from ._configs import bwd_config
-from .forward import KERNEL_DTYPES, _last_dim_contiguous, batch_slices, check_int32_offsets
+from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets
+
+PREPROCESS_ROWS = 64  # rows per program of the delta pass: it streams O and dO once, any tile saturates bandwidth
 
 
 @triton.jit
@@ -78,17 +83,17 @@ def attention_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    off_b = (pid_bh // heads_kv).to(tl.int64)
+    pid_b = pid_bh // heads_kv  # int32 coordinate for tensor descriptors
+    off_b = pid_b.to(tl.int64)
     off_hkv = pid_bh % heads_kv
     start_n = pid_n * BLOCK_N
     o_n = start_n + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
-    o_m = tl.arange(0, BLOCK_M)
     m_n = o_n < seqlen_k
     m_d = o_d < HEAD_DIM
     m_dv = o_dv < HEAD_DIM_V
@@ -112,15 +117,15 @@ def attention_bwd_dkdv_kernel(
         full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0) * GROUP, BLOCK_M) * BLOCK_M
     for start_m in range(lo, tl.minimum(full_lo, rows), BLOCK_M):
         b_dk, b_dv = _dkdv_tile(
-            Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m + o_m, o_n, o_d, o_dv, m_d, m_dv, off_b, off_hkv,
+            Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
             stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-            rows, diag, qk_scale, GROUP, INPUT_PRECISION, MASKED=True,
+            seqlen_q, diag, qk_scale, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, MASKED=True,
         )
     for start_m in range(full_lo, rows, BLOCK_M):
         b_dk, b_dv = _dkdv_tile(
-            Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m + o_m, o_n, o_d, o_dv, m_d, m_dv, off_b, off_hkv,
+            Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
             stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-            rows, diag, qk_scale, GROUP, INPUT_PRECISION, MASKED=False,
+            seqlen_q, diag, qk_scale, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, MASKED=False,
         )
 
     p_dk = DK + off_b * stride_dkb + off_hkv * stride_dkh + o_n[:, None] * stride_dks + o_d[None, :]
@@ -131,18 +136,22 @@ def attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _dkdv_tile(
-    Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, o_r, o_n, o_d, o_dv, m_d, m_dv, off_b, off_hkv,
+    Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
     stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-    rows, diag, qk_scale, GROUP: tl.constexpr, INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    seqlen_q, diag, qk_scale, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """One tile of packed query rows ``o_r`` against the program's keys: adds ``Pᵀ dO`` to dV and ``dSᵀ Q`` to dK."""
-    o_i = o_r // GROUP
-    o_h = off_hkv * GROUP + o_r % GROUP
-    m_r = o_r < rows
-    p_q = Q + off_b * stride_qb + o_i[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
-    p_do = DO + off_b * stride_dob + o_i[:, None] * stride_dos + o_h[:, None] * stride_doh + o_dv[None, :]
-    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
-    b_do = tl.load(p_do, mask=m_r[:, None] & m_dv[None, :], other=0.0)
+    """One tile of packed query rows ``[start_m, start_m + BLOCK_M)`` against the program's keys: adds ``Pᵀ dO`` to dV
+    and ``dSᵀ Q`` to dK."""
+    o_i, o_h, m_r = packed_rows(start_m, off_hkv, seqlen_q, BLOCK_M, GROUP)
+    if USE_TMA:  # [B, Sq, Hq, D] descriptors with boxes [1, BLOCK_M / GROUP, GROUP, D]: the packed rows in order
+        b_q = Q.load([pid_b, start_m // GROUP, off_hkv * GROUP, 0]).reshape(BLOCK_M, BLOCK_D)
+        b_do = DO.load([pid_b, start_m // GROUP, off_hkv * GROUP, 0]).reshape(BLOCK_M, BLOCK_DV)
+    else:
+        p_q = Q + off_b * stride_qb + o_i[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
+        p_do = DO + off_b * stride_dob + o_i[:, None] * stride_dos + o_h[:, None] * stride_doh + o_dv[None, :]
+        b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
+        b_do = tl.load(p_do, mask=m_r[:, None] & m_dv[None, :], other=0.0)
     b_lse, b_delta = _row_stats(LSE, DELTA, off_b, o_h, o_i, m_r, stride_lb, stride_lh)
     b_st = tl.dot(b_k, tl.trans(b_q), input_precision=INPUT_PRECISION)  # Sᵀ: [BLOCK_N, BLOCK_M]
     if MASKED:
@@ -169,16 +178,14 @@ def attention_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first
     pid_bh = tl.program_id(1)
-    off_b = (pid_bh // heads_kv).to(tl.int64)
+    pid_b = pid_bh // heads_kv
+    off_b = pid_b.to(tl.int64)
     off_hkv = pid_bh % heads_kv
-    o_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_i = o_r // GROUP
-    o_h = off_hkv * GROUP + o_r % GROUP
-    m_r = o_r < seqlen_q * GROUP
+    o_i, o_h, m_r = packed_rows(pid_m * BLOCK_M, off_hkv, seqlen_q, BLOCK_M, GROUP)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     o_n = tl.arange(0, BLOCK_N)
@@ -190,47 +197,50 @@ def attention_bwd_dq_kernel(
     b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
     b_do = tl.load(p_do, mask=m_r[:, None] & m_dv[None, :], other=0.0)
     b_lse, b_delta = _row_stats(LSE, DELTA, off_b, o_h, o_i, m_r, stride_lb, stride_lh)
-    p_k = K + off_b * stride_kb + off_hkv * stride_kh + o_n[:, None] * stride_ks + o_d[None, :]
-    p_vt = V + off_b * stride_vb + off_hkv * stride_vh + o_n[None, :] * stride_vs + o_dv[:, None]
+    if not USE_TMA:
+        p_k = K + off_b * stride_kb + off_hkv * stride_kh + o_n[:, None] * stride_ks + o_d[None, :]
+        p_v = V + off_b * stride_vb + off_hkv * stride_vh + o_n[:, None] * stride_vs + o_dv[None, :]
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # The forward's key range: unmasked blocks every row sees whole, then the diagonal and the tail, masked.
+    full_hi, hi = key_range(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, GROUP, CAUSAL)
     diag = seqlen_k - seqlen_q
-    hi = seqlen_k
-    full_hi = seqlen_k
-    if CAUSAL:
-        first_q = (pid_m * BLOCK_M) // GROUP
-        last_q = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, seqlen_q - 1)
-        hi = tl.maximum(tl.minimum(seqlen_k, last_q + diag + 1), 0)
-        full_hi = tl.maximum(tl.minimum(seqlen_k, first_q + diag + 1), 0)
-    full_hi = (full_hi // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_hi, BLOCK_N):
-        b_k = tl.load(p_k + start_n * stride_ks, mask=m_d[None, :], other=0.0)
-        b_vt = tl.load(p_vt + start_n * stride_vs, mask=m_dv[:, None], other=0.0)
+        if USE_TMA:  # [B, Sk, Hkv, D] descriptors; the copy engine zero-fills past the end
+            b_k = K.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_D)
+            b_v = V.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_DV)
+        else:
+            b_k = tl.load(p_k + start_n * stride_ks, mask=m_d[None, :], other=0.0)
+            b_v = tl.load(p_v + start_n * stride_vs, mask=m_dv[None, :], other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)
         b_p = tl.math.exp2(b_s * qk_scale - b_lse[:, None])
-        b_ds = b_p * (tl.dot(b_do, b_vt, input_precision=INPUT_PRECISION) - b_delta[:, None])
+        b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=INPUT_PRECISION) - b_delta[:, None])
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=INPUT_PRECISION)
     for start_n in range(full_hi, hi, BLOCK_N):
         m_n = (start_n + o_n) < seqlen_k
-        b_k = tl.load(p_k + start_n * stride_ks, mask=m_n[:, None] & m_d[None, :], other=0.0)
-        b_vt = tl.load(p_vt + start_n * stride_vs, mask=m_n[None, :] & m_dv[:, None], other=0.0)
+        if USE_TMA:
+            b_k = K.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_D)
+            b_v = V.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_DV)
+        else:
+            b_k = tl.load(p_k + start_n * stride_ks, mask=m_n[:, None] & m_d[None, :], other=0.0)
+            b_v = tl.load(p_v + start_n * stride_vs, mask=m_n[:, None] & m_dv[None, :], other=0.0)
         b_s = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)
         visible = m_n[None, :]
         if CAUSAL:
             visible = visible & ((start_n + o_n)[None, :] <= o_i[:, None] + diag)
         b_s = tl.where(visible, b_s, float("-inf"))
         b_p = tl.math.exp2(b_s * qk_scale - b_lse[:, None])
-        b_ds = b_p * (tl.dot(b_do, b_vt, input_precision=INPUT_PRECISION) - b_delta[:, None])
+        b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=INPUT_PRECISION) - b_delta[:, None])
         b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=INPUT_PRECISION)
 
     p_dq = DQ + off_b * stride_dqb + o_i[:, None] * stride_dqs + o_h[:, None] * stride_dqh + o_d[None, :]
     tl.store(p_dq, (b_dq * sm_scale).to(DQ.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
 
 
-def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None):
+def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, config=None):
     """Gradients ``(dq, dk, dv)`` in the inputs' dtypes. Shapes as the forward: q ``[B, Sq, Hq, D]``,
-    k ``[B, Sk, Hkv, D]``, v ``[B, Sk, Hkv, Dv]``, o and do ``[B, Sq, Hq, Dv]``, lse and dlse ``[B, Hq, Sq]``."""
+    k ``[B, Sk, Hkv, D]``, v ``[B, Sk, Hkv, Dv]``, o and do ``[B, Sq, Hq, Dv]``, lse and dlse ``[B, Hq, Sq]``.
+    ``config`` (a ``BwdConfig``) overrides the table, for the tile sweep."""
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32; q has dtype {q.dtype}")
     q, k, v, o, do = (_last_dim_contiguous(x) for x in (q, k, v, o, do))
@@ -242,34 +252,42 @@ def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None):
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     dlse = None if dlse is None else dlse.contiguous()
+    cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type)
+    group = hq // hkv
+    # Packed query rows come through the copy engine when a row tile holds whole groups in order (boxes must be powers
+    # of two); K and V in the dQ kernel whenever the strides allow.
+    tma_rows = cfg.dkdv.tma and group & (group - 1) == 0 and cfg.dkdv.block_m % group == 0 and _tma_ok(q, do)
+    tma_keys = cfg.dq.tma and _tma_ok(k, v)
+    # Every tensor is also read through pointers by one kernel or another, so all must fit int32 offsets.
     check_int32_offsets(q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse)
-    cfg = bwd_config(d, dv_dim, q.dtype, q.device.type)
     for rows in batch_slices(b, max(hq, hkv)):
         _launch(
             do[rows], q[rows], k[rows], v[rows], o[rows], lse[rows], None if dlse is None else dlse[rows],
-            delta[rows], dq[rows], dk[rows], dv[rows], scale, causal, cfg,
+            delta[rows], dq[rows], dk[rows], dv[rows], scale, causal, cfg, tma_rows, tma_keys,
         )
     return dq, dk, dv
 
 
-def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg) -> None:
+def _descriptor(x, box_rows: int, box_heads: int, box_d: int):
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, box_rows, box_heads, box_d])
+
+
+def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys) -> None:
     b, sq, hq, d = q.shape
     sk, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
     block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv_dim))
-    attention_bwd_preprocess_kernel[(triton.cdiv(sq, cfg.block_m), b * hq)](
+    attention_bwd_preprocess_kernel[(triton.cdiv(sq, PREPROCESS_ROWS), b * hq)](
         o, do, lse if dlse is None else dlse, delta,
         o.stride(0), o.stride(1), o.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
         delta.stride(0), delta.stride(1),
         sq, hq,
-        HEAD_DIM_V=dv_dim, BLOCK_M=cfg.block_m, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
+        HEAD_DIM_V=dv_dim, BLOCK_M=PREPROCESS_ROWS, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
     )
     common = dict(
-        GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal,
+        GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=causal,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     strides_in = (
         q.stride(0), q.stride(1), q.stride(2),
@@ -278,13 +296,51 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg) ->
         do.stride(0), do.stride(1), do.stride(2),
     )
     scalars = (sq, sk, hkv, scale * LOG2E, scale)
-    attention_bwd_dkdv_kernel[(triton.cdiv(sk, cfg.block_n), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, *strides_in,
+    t = cfg.dkdv
+    q_arg, do_arg = q, do
+    if tma_rows:
+        q_arg = _descriptor(q, t.block_m // group, group, block_d)
+        do_arg = _descriptor(do, t.block_m // group, group, block_dv)
+    attention_bwd_dkdv_kernel[(triton.cdiv(sk, t.block_n), b * hkv)](
+        q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1), *scalars, **common,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, num_warps=t.num_warps, num_stages=t.num_stages,
     )
-    attention_bwd_dq_kernel[(triton.cdiv(sq * group, cfg.block_m), b * hkv)](
-        q, k, v, do, lse, delta, dq, *strides_in,
+    t = cfg.dq
+    k_arg, v_arg = k, v
+    if tma_keys:
+        k_arg, v_arg = _descriptor(k, t.block_n, 1, block_d), _descriptor(v, t.block_n, 1, block_dv)
+    attention_bwd_dq_kernel[(triton.cdiv(sq * group, t.block_m), b * hkv)](
+        q, k_arg, v_arg, do, lse, delta, dq, *strides_in,
         dq.stride(0), dq.stride(1), dq.stride(2),
         lse.stride(0), lse.stride(1), *scalars, **common,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_keys, num_warps=t.num_warps, num_stages=t.num_stages,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch.library registration: the forward op's autograd formula (ops/forward.py) calls this op, so the whole
+# training step composes with torch.compile.
+
+
+@torch.library.custom_op("onlineattn::attention_bwd", mutates_args=())
+def attention_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    dlse: Optional[torch.Tensor], scale: float, causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward(do, q, k, v, o, lse, scale, causal, dlse)
+
+
+@attention_bwd.register_fake
+def _attention_bwd_fake(do, q, k, v, o, lse, dlse, scale, causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _no_double_backward(ctx, *grads):
+    raise NotImplementedError(
+        "onlineattn.attention is differentiable once: double backward (gradients of its gradients) is not supported"
+    )
+
+
+attention_bwd.register_autograd(_no_double_backward)

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import LOG2E, finalize_state, online_softmax_step
+from ._common import LOG2E, finalize_state, key_range, online_softmax_step, packed_rows
 from ._configs import fwd_config
 
 
@@ -43,10 +43,7 @@ def attention_fwd_kernel(
     off_b = pid_b.to(tl.int64)  # int64 for pointer arithmetic: B·S·H·D may pass 2^31
     off_hkv = pid_bh % heads_kv
 
-    o_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_i = o_r // GROUP
-    o_h = off_hkv * GROUP + o_r % GROUP
-    m_r = o_r < seqlen_q * GROUP
+    o_i, o_h, m_r = packed_rows(pid_m * BLOCK_M, off_hkv, seqlen_q, BLOCK_M, GROUP)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     o_n = tl.arange(0, BLOCK_N)
@@ -59,16 +56,8 @@ def attention_fwd_kernel(
         p_kt = K + off_b * stride_kb + off_hkv * stride_kh + o_n[None, :] * stride_ks + o_d[:, None]
         p_v = V + off_b * stride_vb + off_hkv * stride_vh + o_n[:, None] * stride_vs + o_dv[None, :]
 
-    # Key range. diag: query i sees key j when j <= i + diag (bottom-right alignment).
-    diag = seqlen_k - seqlen_q
-    hi = seqlen_k
-    full_hi = seqlen_k
-    if CAUSAL:
-        first_q = (pid_m * BLOCK_M) // GROUP
-        last_q = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, seqlen_q - 1)
-        hi = tl.maximum(tl.minimum(seqlen_k, last_q + diag + 1), 0)
-        full_hi = tl.maximum(tl.minimum(seqlen_k, first_q + diag + 1), 0)
-    full_hi = (full_hi // BLOCK_N) * BLOCK_N
+    full_hi, hi = key_range(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, GROUP, CAUSAL)
+    diag = seqlen_k - seqlen_q  # query i sees key j when j <= i + diag
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -119,9 +108,10 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 def _tma_ok(*tensors) -> bool:
-    """The copy engine needs a CUDA tensor with a 16-byte aligned base and 16-byte multiples for the outer strides."""
+    """The copy engine needs a 16-byte aligned base and 16-byte multiples for the outer strides (Triton's interpreter
+    emulates descriptors on CPU tensors, so tests reach this path there too)."""
     return all(
-        x.is_cuda and x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
+        x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
         for x in tensors
     )
 
@@ -224,11 +214,10 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, do, dlse):
-    # Gradients by blockwise recomputation in torch until the Triton backward (issue #4) lands.
-    from .. import torch_impl
+    from .backward import attention_bwd  # imported here: backward.py builds on this module's launcher helpers
 
     q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = torch_impl.backward(do, q, k, v, o, lse, ctx.scale, ctx.causal, dlse=dlse)
+    dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, ctx.scale, ctx.causal)
     return dq, dk, dv, None, None
 
 
