@@ -270,3 +270,13 @@ def test_double_backward_is_refused_clearly(backend):
     with pytest.raises((NotImplementedError, RuntimeError), match="differentiable|double backward|does not require grad"):
         (dq,) = torch.autograd.grad(o.sum(), q, create_graph=True)
         dq.sum().backward()
+
+
+def test_blockwise_custom_ops_pass_opcheck():
+    g = torch.Generator().manual_seed(31)
+    q, k, v = (torch.randn(2, 9, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    torch.library.opcheck(torch.ops.onlineattn.blockwise_fwd, (q.requires_grad_(), k.requires_grad_(), v, 0.25, True))
+    o, lse = torch_impl.forward(q.detach(), k.detach(), v, 0.25, True)
+    do = torch.randn_like(o)
+    for dlse in (None, torch.randn_like(lse)):
+        torch.library.opcheck(torch.ops.onlineattn.blockwise_bwd, (do, q.detach(), k.detach(), v, o, lse, dlse, 0.25, True))

@@ -16,6 +16,7 @@ without copying K or V. Half-precision inputs are computed in float32; float64 s
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 
@@ -145,27 +146,64 @@ def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, block: 
     return dq, dk.to(k.dtype), dv.transpose(1, 2).to(v.dtype)
 
 
-class BlockwiseAttention(torch.autograd.Function):
-    """Autograd wrapper: saves q, k, v, o and lse only, so training memory stays O(N)."""
+# ---------------------------------------------------------------------------------------------------------------
+# torch.library custom ops, so torch.compile treats each pass as one opaque call instead of tracing the tile loop
+# (dynamo's trace of the in-place loop inside an autograd.Function gave wrong gradients on torch 2.11).
 
-    @staticmethod
-    def forward(ctx, q, k, v, scale, causal):
-        o, lse = forward(q, k, v, scale, causal)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.scale, ctx.causal = scale, causal
-        return o, lse
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do, dlse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = backward(do, q, k, v, o, lse, ctx.scale, ctx.causal, dlse=dlse)
-        return dq, dk, dv, None, None
+@torch.library.custom_op("onlineattn::blockwise_fwd", mutates_args=())
+def blockwise_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> tuple[
+    torch.Tensor, torch.Tensor
+]:
+    o, lse = forward(q, k, v, scale, causal)
+    return o.contiguous(), lse
+
+
+@blockwise_fwd.register_fake
+def _blockwise_fwd_fake(q, k, v, scale, causal):
+    b, sq, hq, _ = q.shape
+    lse_dtype = _compute_dtype(q.dtype)
+    return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=lse_dtype)
+
+
+@torch.library.custom_op("onlineattn::blockwise_bwd", mutates_args=())
+def blockwise_bwd(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+    dlse: Optional[torch.Tensor], scale: float, causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return tuple(x.contiguous() for x in backward(do, q, k, v, o, lse, scale, causal, dlse=dlse))
+
+
+@blockwise_bwd.register_fake
+def _blockwise_bwd_fake(do, q, k, v, o, lse, dlse, scale, causal):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def save_for_backward(ctx, inputs, output):
+    """``setup_context`` shared by both paths' forward ops: keep q, k, v, o and lse only (O(N) training memory)."""
+    q, k, v, scale, causal = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.scale, ctx.causal = scale, causal
+
+
+def refuse_double_backward(ctx, *grads):
+    raise NotImplementedError(
+        "onlineattn.attention is differentiable once: double backward (gradients of its gradients) is not supported"
+    )
+
+
+def _blockwise_fwd_backward(ctx, do, dlse):
+    q, k, v, o, lse = ctx.saved_tensors
+    return (*blockwise_bwd(do, q, k, v, o, lse, dlse, ctx.scale, ctx.causal), None, None)
+
+
+blockwise_fwd.register_autograd(_blockwise_fwd_backward, setup_context=save_for_backward)
+blockwise_bwd.register_autograd(refuse_double_backward)
 
 
 def attention(q, k, v, scale: float, causal: bool):
     """Differentiable blockwise attention: ``(o, lse)``."""
-    return BlockwiseAttention.apply(q, k, v, scale, causal)
+    return blockwise_fwd(q, k, v, scale, causal)
 
 
 def merge_states(o_a, lse_a, o_b, lse_b):

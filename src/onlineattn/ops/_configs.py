@@ -78,14 +78,23 @@ class BwdConfig:
 
 _BWD_INTERPRETER = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1))
 
-# Provisional and unmeasured: FlashAttention-2-style 64x64 tiles (32 keys at d = 256 to fit shared memory), until
-# benchmarks/sweep_bwd.py measures them on the H200.
+# H200, bf16, keyed by padded head dim. benchmarks/sweep_bwd.py, 2026-11-29, peers' grid at N = 2048 and 8192, each
+# kernel swept with the other held (TFLOP/s of the whole backward, counted as 2.5x the forward's FLOPs):
+# - d <= 64: dK/dV 32x128 w4 s3 TMA (330-359 non-causal, 269-320 causal) over 64x64 w4 s3 TMA (327-351);
+#   dQ 64x64 w4 s3 TMA (310-322 / 276-316). Together: 343-352 non-causal, 282-323 causal.
+# - d = 128: dK/dV 64x64 w4 s2 with pointer loads (233-252 non-causal); the TMA variant of the same tile led causal
+#   (209-241 against 194-228) but made ptxas crash (exit -11) when compiled non-causal, at d = 64 too, as did every
+#   TMA tile with 2 stages; so no entry uses TMA with 2 stages below d = 256. dQ 128x64 w8 s3 TMA led every shape.
+#   Together: 368-378 non-causal, 344-384 causal.
+# - d = 256: dK/dV 32x32 w4 s2 TMA (108-123, every larger tile slower), dQ 64x32 w4 s2 TMA (131-145). Together
+#   only 146-167, below sdpa-flash (229-259): the two-kernel scheme spends 7 matmuls where FA2 spends 5 (its dQ is
+#   accumulated with atomics), and at d = 256 the tiles that fit are too small to make up for it.
 _BWD_CUDA = {
-    16: BwdConfig(BwdTile(64, 64, 4, 2), BwdTile(64, 64, 4, 2)),
-    32: BwdConfig(BwdTile(64, 64, 4, 2), BwdTile(64, 64, 4, 2)),
-    64: BwdConfig(BwdTile(64, 64, 4, 2), BwdTile(64, 64, 4, 2)),
-    128: BwdConfig(BwdTile(64, 64, 8, 2), BwdTile(64, 64, 8, 2)),
-    256: BwdConfig(BwdTile(64, 32, 8, 1), BwdTile(64, 32, 8, 1)),
+    16: BwdConfig(BwdTile(32, 128, 4, 3, True), BwdTile(64, 64, 4, 3, True)),
+    32: BwdConfig(BwdTile(32, 128, 4, 3, True), BwdTile(64, 64, 4, 3, True)),
+    64: BwdConfig(BwdTile(32, 128, 4, 3, True), BwdTile(64, 64, 4, 3, True)),
+    128: BwdConfig(BwdTile(64, 64, 4, 2), BwdTile(128, 64, 8, 3, True)),
+    256: BwdConfig(BwdTile(32, 32, 4, 2, True), BwdTile(64, 32, 4, 2, True)),
 }
 
 # fp32 (ieee dots): half the elements per byte of shared memory, so smaller tiles; exactness, not speed, is the aim.

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..torch_impl import refuse_double_backward
 from ._common import LOG2E, key_range, packed_rows
 from ._configs import bwd_config
 from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets
@@ -337,10 +338,4 @@ def _attention_bwd_fake(do, q, k, v, o, lse, dlse, scale, causal):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def _no_double_backward(ctx, *grads):
-    raise NotImplementedError(
-        "onlineattn.attention is differentiable once: double backward (gradients of its gradients) is not supported"
-    )
-
-
-attention_bwd.register_autograd(_no_double_backward)
+attention_bwd.register_autograd(refuse_double_backward)

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from ..torch_impl import save_for_backward
 from ._common import LOG2E, finalize_state, key_range, online_softmax_step, packed_rows
 from ._configs import fwd_config
 
@@ -206,13 +207,6 @@ def _attention_fwd_fake(q, k, v, scale, causal):
     return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, scale, causal = inputs
-    o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
-    ctx.scale, ctx.causal = scale, causal
-
-
 def _backward(ctx, do, dlse):
     from .backward import attention_bwd  # imported here: backward.py builds on this module's launcher helpers
 
@@ -221,7 +215,7 @@ def _backward(ctx, do, dlse):
     return dq, dk, dv, None, None
 
 
-attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+attention_fwd.register_autograd(_backward, setup_context=save_for_backward)
 
 
 def attention(q, k, v, scale: float, causal: bool):
