@@ -220,6 +220,11 @@ def _check_transport(ring: _Ring, q) -> None:
             f"q_local is on {q.device}, which the group's backend {backend!r} does not carry between ranks: "
             "use NCCL for CUDA tensors and gloo for CPU tensors"
         )
+    if q.is_cuda and q.device.index != torch.cuda.current_device():  # NCCL works on the current device
+        raise ValueError(
+            f"q_local is on {q.device} but the current CUDA device is cuda:{torch.cuda.current_device()}; "
+            "call torch.cuda.set_device on each rank before initialising NCCL"
+        )
 
 
 def _check_agreement(ring: _Ring, values: tuple) -> None:
