@@ -57,6 +57,11 @@ def shard_sequence(x: torch.Tensor, rank: int, world: int, layout: str = "contig
         ``[B, S / world, H, D]`` (a view for contiguous, a new tensor for zigzag, whose two chunks are concatenated).
 
     Raises ``ValueError`` unless S divides by ``world`` (contiguous) or ``2 · world`` (zigzag).
+
+    Example (8 tokens, 2 ranks):
+        >>> x = torch.arange(8).reshape(1, 8, 1, 1)
+        >>> shard_sequence(x, 0, 2, "zigzag").flatten().tolist(), shard_sequence(x, 1, 2, "zigzag").flatten().tolist()
+        ([0, 1, 6, 7], [2, 3, 4, 5])
     """
     V.check_tensor("x", x, dtypes=None)
     layout = check_layout(layout)
