@@ -86,12 +86,17 @@ def check_bool(name: str, value) -> bool:
     return value
 
 
+def check_choice(name: str, value, choices: tuple[str, ...]) -> str:
+    """A string keyword that takes one of a few names (``backend``, ``layout``)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {choices}, got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+    return value
+
+
 def check_backend(backend) -> str:
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, one of {BACKENDS}, got {type(backend).__name__}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    return backend
+    return check_choice("backend", backend, BACKENDS)
 
 
 def check_not_yet(name: str, value, default, issue: int) -> None:

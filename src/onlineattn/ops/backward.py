@@ -238,9 +238,12 @@ def attention_bwd_dq_kernel(
     tl.store(p_dq, (b_dq * sm_scale).to(DQ.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
 
 
-def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, config=None):
+def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out=None, config=None):
     """Gradients ``(dq, dk, dv)`` in the inputs' dtypes. Shapes as the forward: q ``[B, Sq, Hq, D]``,
     k ``[B, Sk, Hkv, D]``, v ``[B, Sk, Hkv, Dv]``, o and do ``[B, Sq, Hq, Dv]``, lse and dlse ``[B, Hq, Sq]``.
+
+    ``out`` is an optional ``(dq, dk, dv)`` of buffers of those shapes, last dim contiguous, in any float dtype the
+    kernels store to: ring attention passes float32 buffers so each block's gradients are summed before rounding.
     ``config`` (a ``BwdConfig``) overrides the table, for the tile sweep."""
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32; q has dtype {q.dtype}")
@@ -248,7 +251,9 @@ def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, conf
     lse = lse.contiguous()
     b, sq, hq, d = q.shape
     hkv, dv_dim = k.shape[2], v.shape[3]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if out is None else out
+    if any(x.stride(-1) != 1 for x in (dq, dk, dv)):
+        raise ValueError("the out buffers (dq, dk, dv) must be contiguous in their last dim")
     if b * sq * hq == 0 or k.shape[1] == 0:  # no query or no key: every gradient is zero
         return dq.zero_(), dk.zero_(), dv.zero_()
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
