@@ -154,6 +154,28 @@ def test_merge_dtypes(o_dtype, lse_dtype, want_lse):
     assert o.shape == o_a.shape and lse.shape == lse_a.shape
 
 
+def test_merge_states_list_of_one_state_is_that_state():
+    gen = torch.Generator().manual_seed(8)
+    o, lse = torch.randn(1, 2, 5, 3, 8, generator=gen, dtype=torch.float64), torch.randn(1, 2, 3, 5, generator=gen, dtype=torch.float64)
+    merged = onlineattn.merge_states_list(o, lse)
+    assert torch.equal(merged[0], o[0]) and torch.equal(merged[1], lse[0])
+
+
+@pytest.mark.parametrize(
+    "os_shape,lses_shape,device,match",
+    [
+        ((0, 1, 2, 3, 4), (0, 1, 3, 2), "cpu", "at least one"),
+        ((2, 1, 2, 3, 4), (2, 1, 2, 3), "cpu", r"lses must have shape"),
+        ((2, 1, 2, 3, 4), (2, 1, 3), "cpu", r"lses must have 4 dims"),
+        ((1, 2, 3, 4), (2, 1, 3, 2), "cpu", r"os must have 5 dims"),
+        ((2, 1, 2, 3, 4), (2, 1, 3, 2), "meta", "one device"),
+    ],
+)
+def test_merge_states_list_rejects_bad_states(os_shape, lses_shape, device, match):
+    with pytest.raises(ValueError, match=match):
+        onlineattn.merge_states_list(torch.zeros(os_shape), torch.zeros(lses_shape, device=device))
+
+
 # ---- CUDA: the torch path on the device ------------------------------------------------------------------------
 
 

@@ -125,3 +125,16 @@ def check_states(o_a, lse_a, o_b, lse_b) -> None:
     devices = {o_a.device, lse_a.device, o_b.device, lse_b.device}
     if len(devices) != 1:
         raise ValueError(f"o_a, lse_a, o_b and lse_b must be on one device, got {sorted(map(str, devices))}")
+
+
+def check_states_list(os, lses) -> None:
+    """Check ``S`` partial states stacked on a leading split dim: ``os [S, B, Sq, H, Dv]``, ``lses [S, B, H, Sq]``."""
+    check_tensor("os", os, ndim=5)
+    check_tensor("lses", lses, ndim=4)
+    splits, b, s, h, _ = os.shape
+    if splits == 0:
+        raise ValueError("os must hold at least one state (its split dim 0 has size 0)")
+    if tuple(lses.shape) != (splits, b, h, s):
+        raise ValueError(f"lses must have shape (S, B, H, Sq) = {(splits, b, h, s)}, got {tuple(lses.shape)}")
+    if os.device != lses.device:
+        raise ValueError(f"os and lses must be on one device, got {os.device} and {lses.device}")

@@ -22,20 +22,27 @@ def _triton_forward_available() -> bool:
     return True
 
 
-def _resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """``auto``: Triton for CUDA tensors of a kernel dtype, torch otherwise (float64 stays exact on the torch path)."""
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _resolve_backend(backend: str, **tensors: torch.Tensor) -> str:
+    """``auto``: Triton when the tensors are on CUDA in a kernel dtype, torch otherwise (float64 stays exact on the
+    torch path). The first tensor decides the device; the names appear in the errors of a forced ``"triton"``."""
     backend = V.check_backend(backend)
+    first = next(iter(tensors.values()))
     if backend == "auto":
-        kernel_dtype = q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        return "triton" if q.is_cuda and kernel_dtype and _triton_forward_available() else "torch"
+        kernel_dtypes = all(x.dtype in KERNEL_DTYPES for x in tensors.values())
+        return "triton" if first.is_cuda and kernel_dtypes and _triton_forward_available() else "torch"
     if backend == "triton":
         if not _triton_forward_available():
             raise ValueError("backend='triton' needs the triton package, which is not importable here")
-        if q.dtype == torch.float64:
-            raise TypeError("backend='triton' takes float16, bfloat16 or float32; q has dtype float64 (use 'torch')")
-        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        for name, x in tensors.items():
+            if x.dtype == torch.float64:
+                raise TypeError(f"backend='triton' takes float16, bfloat16 or float32; {name} has dtype float64 "
+                                "(use 'torch')")
+        if not first.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
-                f"backend='triton' with tensors on {q.device} needs TRITON_INTERPRET=1 set before triton is imported"
+                f"backend='triton' with tensors on {first.device} needs TRITON_INTERPRET=1 set before triton is imported"
             )
     return backend
 
@@ -92,7 +99,7 @@ def attention(
     V.check_not_yet("dropout_p", dropout_p, 0.0, issue=6)
     V.check_not_yet("attn_bias", attn_bias, None, issue=6)
     V.check_not_yet("sinks", sinks, None, issue=6)
-    backend = _resolve_backend(backend, q)
+    backend = _resolve_backend(backend, q=q)
     if backend == "triton":
         from .ops import forward as triton_forward
 
@@ -102,12 +109,14 @@ def attention(
     return (o, lse) if return_lse else o
 
 
-def merge_states(o_a, lse_a, o_b, lse_b):
+def merge_states(o_a, lse_a, o_b, lse_b, *, backend="auto"):
     """Merge attention over two disjoint key sets into attention over their union, exactly.
 
     Args:
         o_a, o_b: ``[batch, seqlen, heads, head_dim]`` partial outputs, one dtype.
         lse_a, lse_b: ``[batch, heads, seqlen]`` their log-sum-exps (natural log); any entry may be ``-inf``.
+        backend: ``"auto"`` (a Triton kernel for CUDA float16/bfloat16/float32 states, torch otherwise), ``"torch"`` or
+            ``"triton"``.
 
     Returns:
         ``(o, lse)``: o in o_a's dtype, computed in float32 (float64 for float64). An empty part (lse = -inf) is
@@ -123,4 +132,36 @@ def merge_states(o_a, lse_a, o_b, lse_b):
         True
     """
     V.check_states(o_a, lse_a, o_b, lse_b)
+    if _resolve_backend(backend, o_a=o_a, lse_a=lse_a) == "triton":
+        from .ops import merge
+
+        return merge.merge_states(o_a, lse_a, o_b, lse_b)
     return torch_impl.merge_states(o_a, lse_a, o_b, lse_b)
+
+
+def merge_states_list(os, lses, *, backend="auto"):
+    """Merge ``S`` partial states over disjoint key sets, stacked on a leading split dimension, exactly.
+
+    Args:
+        os: ``[splits, batch, seqlen, heads, head_dim]`` partial outputs (``splits >= 1``).
+        lses: ``[splits, batch, heads, seqlen]`` their log-sum-exps (natural log); any entry may be ``-inf``.
+        backend: as in ``merge_states``.
+
+    Returns:
+        ``(o [batch, seqlen, heads, head_dim], lse [batch, heads, seqlen])``: o in os' dtype, computed in float32
+        (float64 for float64); lse float32 (float64 for float64). Rows empty in every part get o = 0, lse = -inf.
+
+    Example:
+        >>> import torch, onlineattn
+        >>> q, k, v = torch.randn(1, 3, 2, 8), torch.randn(1, 9, 2, 8), torch.randn(1, 9, 2, 8)
+        >>> parts = [onlineattn.attention(q, k[:, a:a + 3], v[:, a:a + 3], return_lse=True) for a in (0, 3, 6)]
+        >>> o, lse = onlineattn.merge_states_list(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+        >>> torch.allclose(o, onlineattn.attention(q, k, v), atol=1e-6)
+        True
+    """
+    V.check_states_list(os, lses)
+    if _resolve_backend(backend, os=os, lses=lses) == "triton":
+        from .ops import merge
+
+        return merge.merge_states_list(os, lses)
+    return torch_impl.merge_states_list(os, lses)

@@ -10,7 +10,7 @@ Layout follows flash-attn: ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hkv, D]``, ``v [B, 
 
 Inputs may be NumPy arrays or torch tensors of any float dtype; everything is computed in float64.
 The torch helpers at the end (``torch_math_attention`` and ``assert_within_rule``) give the same-dtype baseline
-and the error rule of ENGINEERING.md section 3.
+and the error rule of ENGINEERING.md section 3. ``merge_states_list`` is the oracle of the split-KV merge.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ __all__ = [
     "online_attention",
     "online_softmax",
     "merge_states",
+    "merge_states_list",
     "visible_mask",
     "torch_math_attention",
     "error_bound",
@@ -165,7 +166,8 @@ def online_attention(q, k, v, *, causal=False, softmax_scale=None, block: int = 
 def merge_states(o_a, lse_a, o_b, lse_b):
     """Exact merge of attention over two disjoint key sets: ``o [B, S, H, D]``, ``lse [B, H, S]``.
 
-    Either lse may be -inf (an empty part is neutral); two empty parts give o = 0 and lse = -inf.
+    Either lse may be -inf (an empty part is neutral, whatever its o holds); two empty parts give o = 0 and
+    lse = -inf.
     """
     o_a, lse_a, o_b, lse_b = _f64(o_a), _f64(lse_a), _f64(o_b), _f64(lse_b)
     m = np.maximum(lse_a, lse_b)
@@ -177,7 +179,21 @@ def merge_states(o_a, lse_a, o_b, lse_b):
         frac_a = np.where(total > 0, w_a / np.where(total > 0, total, 1.0), 0.0)
         frac_b = np.where(total > 0, w_b / np.where(total > 0, total, 1.0), 0.0)
     to_o = lambda w: w.transpose(0, 2, 1)[..., None]  # [B, H, S] -> [B, S, H, 1]
-    return to_o(frac_a) * o_a + to_o(frac_b) * o_b, lse
+    part = lambda frac, o: np.where(to_o(frac) > 0, to_o(frac) * o, 0.0)  # an empty part adds nothing, even NaN
+    return part(frac_a, o_a) + part(frac_b, o_b), lse
+
+
+def merge_states_list(os, lses):
+    """Merge ``S`` partial states over disjoint key sets: ``os [S, B, Sq, H, Dv]``, ``lses [S, B, H, Sq]``.
+
+    Folds ``merge_states`` over the split dimension, starting from the empty state (o = 0, lse = -inf), which every
+    merge leaves unchanged. Returns float64 ``(o [B, Sq, H, Dv], lse [B, H, Sq])``.
+    """
+    os, lses = _f64(os), _f64(lses)
+    o, lse = np.zeros(os.shape[1:]), np.full(lses.shape[1:], -np.inf)
+    for o_s, lse_s in zip(os, lses):
+        o, lse = merge_states(o, lse, o_s, lse_s)
+    return o, lse
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -168,17 +168,27 @@ def attention(q, k, v, scale: float, causal: bool):
     return BlockwiseAttention.apply(q, k, v, scale, causal)
 
 
-def merge_states(o_a, lse_a, o_b, lse_b):
-    """Exact merge of two partial states; computed in float32 (float64 for float64), o returned in o_a's dtype."""
-    cdt = torch.promote_types(_compute_dtype(o_a.dtype), lse_a.dtype)
-    la, lb = lse_a.to(cdt), lse_b.to(cdt)
-    m = torch.maximum(la, lb)
+def merge_states_list(os, lses):
+    """Exact merge of ``S`` partial states over disjoint key sets: ``os [S, B, Sq, H, Dv]``, ``lses [S, B, H, Sq]``
+    -> ``(o [B, Sq, H, Dv] in os' dtype, lse [B, H, Sq])``, computed in float32 (float64 for float64 inputs).
+
+    Weights are ``exp(lse_s − max lse)``; an empty part (lse = -inf) has weight 0 and contributes nothing, even if its
+    o is not finite. Where every part is empty, o = 0 and lse = -inf.
+    """
+    cdt = torch.promote_types(_compute_dtype(os.dtype), lses.dtype)
+    lse_s = lses.to(cdt)
+    m = lse_s.amax(dim=0)
     m_safe = m.masked_fill(m == float("-inf"), 0.0)
-    w_a, w_b = torch.exp(la - m_safe), torch.exp(lb - m_safe)
-    total = w_a + w_b
+    w = torch.exp(lse_s - m_safe)
+    total = w.sum(dim=0)
     empty = total == 0
     total_safe = total.masked_fill(empty, 1.0)
     lse = (m_safe + torch.log(total_safe)).masked_fill(empty, float("-inf"))
-    frac = lambda w: (w / total_safe).transpose(1, 2)[..., None]  # [B, H, S] -> [B, S, H, 1]
-    o = frac(w_a) * o_a.to(cdt) + frac(w_b) * o_b.to(cdt)
-    return o.to(o_a.dtype), lse
+    frac = (w / total_safe).transpose(-1, -2)[..., None]  # [S, B, H, Sq] -> [S, B, Sq, H, 1]
+    o = torch.where(frac > 0, frac * os.to(cdt), 0.0).sum(dim=0)
+    return o.to(os.dtype), lse
+
+
+def merge_states(o_a, lse_a, o_b, lse_b):
+    """Exact merge of two partial states; computed in float32 (float64 for float64), o returned in o_a's dtype."""
+    return merge_states_list(torch.stack((o_a, o_b)), torch.stack((lse_a, lse_b)))

@@ -1,4 +1,5 @@
-"""Triton helpers shared by the kernels: the online-softmax step and the epilogue that turns (m, l, acc) into (o, lse).
+"""Triton helpers shared by the kernels: the online-softmax step, the epilogue that turns (m, l, acc) into (o, lse) and the
+merge of partial states (natural log).
 
 Scores are kept in the log2 domain: ``x = s · scale · log2(e)``, so ``exp`` becomes ``exp2`` and the scale costs one
 multiply folded into the max. ``m`` is the running max of x, ``l`` the running sum of ``2^(x − m)``.
@@ -36,3 +37,30 @@ def finalize_state(m_i, l_i, acc):
     o = acc / l_safe[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
     return o, lse
+
+
+@triton.jit
+def merge_state_step(m, l, acc, lse, o):
+    """Fold one partial state into a running merge: ``lse [R]`` (natural log) and ``o [R, DV]``, both float32.
+
+    The running state is ``m`` (largest lse so far), ``l = Σ exp(lse_s − m)`` and ``acc = Σ exp(lse_s − m) · o_s``; it
+    starts at ``(-inf, 0, 0)``. An empty part (lse = -inf) adds nothing, even where its o holds garbage, and a max that
+    is still -inf is replaced by 0 so that ``exp(-inf − m)`` is 0 rather than NaN.
+    """
+    m_new = tl.maximum(m, lse)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    w = tl.exp(lse - m_safe)
+    acc = acc * alpha[:, None] + tl.where(w[:, None] > 0.0, w[:, None] * o, 0.0)
+    return m_new, l * alpha + w, acc
+
+
+@triton.jit
+def finalize_merge(m, l, acc):
+    """``o = acc / l`` and ``lse = m + ln l`` of a merge; where every part was empty, o = 0 and lse = -inf.
+
+    A single non-empty part comes back bit for bit: its weight is ``exp(0) = 1``.
+    """
+    empty = l == 0.0
+    l_safe = tl.where(empty, 1.0, l)
+    return acc / l_safe[:, None], tl.where(empty, float("-inf"), m + tl.log(l_safe))

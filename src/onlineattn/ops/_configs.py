@@ -81,3 +81,20 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
     if device_type != "cuda":
         return _BWD_INTERPRETER
     return _BWD_CUDA[_padded(max(head_dim, head_dim_v))]
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    block_rows: int  # (query, head) rows per program
+    num_warps: int
+
+
+# Interpreter: one program per batch entry and 64 rows is the fewest Python-level programs for the test shapes.
+_MERGE_INTERPRETER = MergeConfig(block_rows=64, num_warps=4)
+# Provisional and unmeasured: 16 rows x Dv <= 256 float32 accumulators fit 4 warps' registers; decoding (Sq = 1,
+# H = 32) then runs 2 programs per batch entry, and the merge reads only S·B·H·Dv·4 bytes, far less than K and V.
+_MERGE_CUDA = MergeConfig(block_rows=16, num_warps=4)
+
+
+def merge_config(device_type: str) -> MergeConfig:
+    return _MERGE_CUDA if device_type == "cuda" else _MERGE_INTERPRETER
