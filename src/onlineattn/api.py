@@ -165,3 +165,84 @@ def merge_states_list(os, lses, *, backend="auto"):
 
         return merge.merge_states_list(os, lses)
     return torch_impl.merge_states_list(os, lses)
+
+
+def attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    cache_seqlens,
+    block_table=None,
+    causal=True,
+    softmax_scale=None,
+    num_splits=0,
+    return_lse=False,
+    check_indices=True,
+    backend="auto",
+):
+    """Attention of new queries over a KV cache, appending new keys and values in place (flash-attn's
+    ``flash_attn_with_kvcache``). Not differentiable: it is meant for inference.
+
+    Args:
+        q: ``[batch, seqlen_q, heads_q, head_dim]``; ``seqlen_q`` may exceed 1 (speculative decoding, chunked prefill).
+        k_cache: contiguous ``[batch, max_seqlen, heads_kv, head_dim]``, or with ``block_table`` a page pool
+            ``[num_pages, page_size, heads_kv, head_dim]`` (``page_size`` a multiple of 16). Its last dim must have
+            stride 1, since it is written in place.
+        v_cache: ``[batch, max_seqlen, heads_kv, head_dim_v]`` or ``[num_pages, page_size, heads_kv, head_dim_v]``.
+        k, v: optional new tokens ``[batch, seqlen_new, heads_kv, head_dim(_v)]`` in the cache's dtype, written into
+            the caches at positions ``cache_seqlens[b] + [0, seqlen_new)`` before attending.
+        cache_seqlens: tokens already in each sequence's cache, an int or an int32 tensor ``[batch]``. It is not
+            updated: the caller adds ``seqlen_new`` for the next call.
+        block_table: int32 ``[batch, max_pages]``; token t of sequence b lives in page ``block_table[b, t // page_size]``
+            at slot ``t % page_size``.
+        causal: bottom-right aligned over the ``cache_seqlens[b] + seqlen_new`` visible tokens: query i sees token j
+            when ``j <= i + cache_seqlens[b] + seqlen_new - seqlen_q``. With ``seqlen_q = 1`` it sees them all.
+        softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        num_splits: key chunks per (sequence, kv head) processed in parallel and merged (split-KV); 0 chooses from the
+            batch, the heads, the cache length and the GPU's SM count. The torch path computes without splitting.
+        return_lse: also return the log-sum-exp (natural log).
+        check_indices: check the values of ``cache_seqlens`` and of the block-table entries used before any kernel
+            runs (one device-to-host copy). Pass False only where the caller guarantees them, as ``onlineattn.cache``
+            does: an out-of-range value is then undefined behaviour.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        ``o [batch, seqlen_q, heads_q, head_dim_v]`` in q's dtype, and with ``return_lse`` also
+        ``lse [batch, heads_q, seqlen_q]`` in float32 (float64 for float64). A query that sees no token gets
+        ``o = 0`` and ``lse = -inf``.
+
+    Example:
+        >>> import torch, onlineattn
+        >>> k_cache, v_cache = torch.zeros(2, 64, 2, 16), torch.zeros(2, 64, 2, 16)
+        >>> q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+        >>> lengths = torch.tensor([10, 3], dtype=torch.int32)
+        >>> onlineattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths).shape
+        torch.Size([2, 1, 4, 16])
+        >>> torch.equal(k_cache[0, 10], k[0, 0]) and torch.equal(k_cache[1, 3], k[1, 0])
+        True
+    """
+    dims = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    scale = V.check_scale(softmax_scale, dims.head_dim)
+    causal = V.check_bool("causal", causal)
+    return_lse = V.check_bool("return_lse", return_lse)
+    check_indices = V.check_bool("check_indices", check_indices)
+    num_splits = V.check_num_splits(num_splits)
+    backend = _resolve_backend(backend, q=q)
+    max_seqlen_k = V.check_kvcache_indices(cache_seqlens, block_table, dims) if check_indices else None
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((dims.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    with torch.no_grad():
+        if backend == "triton":
+            from .ops import decode
+
+            o, lse = decode.attention_with_kvcache(
+                q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, num_splits,
+                max_seqlen_k=max_seqlen_k,
+            )
+        else:
+            o, lse = torch_impl.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
+                                                       causal)
+    return (o, lse) if return_lse else o

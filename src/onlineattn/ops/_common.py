@@ -1,5 +1,5 @@
-"""Triton helpers shared by the kernels: the online-softmax step, the epilogue that turns (m, l, acc) into (o, lse) and the
-merge of partial states (natural log).
+"""Triton helpers shared by the kernels: the online-softmax step, the epilogue that turns (m, l, acc) into (o, lse), the
+merge of partial states (natural log) and the page lookup of the KV caches.
 
 Scores are kept in the log2 domain: ``x = s · scale · log2(e)``, so ``exp`` becomes ``exp2`` and the scale costs one
 multiply folded into the max. ``m`` is the running max of x, ``l`` the running sum of ``2^(x − m)``.
@@ -27,6 +27,30 @@ def online_softmax_step(qk, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
     alpha = tl.math.exp2(m_i - m_new)
     l_new = l_i * alpha + tl.sum(p, 1)
     return p, m_new, l_new, acc * alpha[:, None]
+
+
+@triton.jit
+def packed_rows(pid_m, off_hkv, seqlen_q, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The ``BLOCK_M`` packed rows of program ``pid_m`` for kv head ``off_hkv``: row r is query ``r // GROUP`` of head
+    ``off_hkv · GROUP + r % GROUP``, so a GQA group's heads share each K/V block. Returns (query, head, row valid)."""
+    o_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return o_r // GROUP, off_hkv * GROUP + o_r % GROUP, o_r < seqlen_q * GROUP
+
+
+@triton.jit
+def visible_key_range(pid_m, seqlen_q, seqlen_k, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys seen by the packed rows of program ``pid_m`` (bottom-right causal). Returns ``(diag, hi, full_hi)``: query i
+    sees key j when ``j <= i + diag``; some row sees each key below ``hi``, every row sees every key below ``full_hi``
+    (not rounded to blocks). Keys from ``hi`` on need not be loaded at all."""
+    diag = seqlen_k - seqlen_q
+    hi = seqlen_k
+    full_hi = seqlen_k
+    if CAUSAL:
+        first_q = (pid_m * BLOCK_M) // GROUP
+        last_q = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, seqlen_q - 1)
+        hi = tl.maximum(tl.minimum(seqlen_k, last_q + diag + 1), 0)
+        full_hi = tl.maximum(tl.minimum(seqlen_k, first_q + diag + 1), 0)
+    return diag, hi, full_hi
 
 
 @triton.jit
@@ -64,3 +88,21 @@ def finalize_merge(m, l, acc):
     empty = l == 0.0
     l_safe = tl.where(empty, 1.0, l)
     return acc / l_safe[:, None], tl.where(empty, float("-inf"), m + tl.log(l_safe))
+
+
+@triton.jit
+def page_and_slot(BLOCK_TABLE, off_bt, off_b, pos, mask, PAGE_SIZE: tl.constexpr):
+    """Where key position ``pos`` (a block or a scalar) of batch entry ``off_b`` lives in a KV cache.
+
+    Paged (``PAGE_SIZE > 0``): the page id from row ``off_bt`` of the block table (as int64: a page pool may span more
+    than 2^31 elements) and the slot within that page. Contiguous (``PAGE_SIZE == 0``): the cache is one page per batch
+    entry, so the page is ``off_b`` and the slot is ``pos``. The element offset is ``page · stride_page + slot ·
+    stride_slot``; ``mask`` keeps the block-table read inside the sequence.
+    """
+    if PAGE_SIZE > 0:
+        page = tl.load(BLOCK_TABLE + off_bt + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
+        slot = pos % PAGE_SIZE
+    else:
+        page = off_b
+        slot = pos
+    return page, slot

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import LOG2E
+from ._common import LOG2E, packed_rows, visible_key_range
 from ._configs import bwd_config
 from .forward import KERNEL_DTYPES, _last_dim_contiguous, batch_slices, check_int32_offsets
 
@@ -175,10 +175,7 @@ def attention_bwd_dq_kernel(
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // heads_kv).to(tl.int64)
     off_hkv = pid_bh % heads_kv
-    o_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_i = o_r // GROUP
-    o_h = off_hkv * GROUP + o_r % GROUP
-    m_r = o_r < seqlen_q * GROUP
+    o_i, o_h, m_r = packed_rows(pid_m, off_hkv, seqlen_q, GROUP, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     o_n = tl.arange(0, BLOCK_N)
@@ -195,14 +192,7 @@ def attention_bwd_dq_kernel(
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # The forward's key range: unmasked blocks every row sees whole, then the diagonal and the tail, masked.
-    diag = seqlen_k - seqlen_q
-    hi = seqlen_k
-    full_hi = seqlen_k
-    if CAUSAL:
-        first_q = (pid_m * BLOCK_M) // GROUP
-        last_q = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, seqlen_q - 1)
-        hi = tl.maximum(tl.minimum(seqlen_k, last_q + diag + 1), 0)
-        full_hi = tl.maximum(tl.minimum(seqlen_k, first_q + diag + 1), 0)
+    diag, hi, full_hi = visible_key_range(pid_m, seqlen_q, seqlen_k, GROUP, BLOCK_M, CAUSAL)
     full_hi = (full_hi // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_hi, BLOCK_N):
         b_k = tl.load(p_k + start_n * stride_ks, mask=m_d[None, :], other=0.0)

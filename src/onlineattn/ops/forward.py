@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ._common import LOG2E, finalize_state, online_softmax_step
+from ._common import LOG2E, finalize_state, online_softmax_step, packed_rows, visible_key_range
 from ._configs import fwd_config
 
 
@@ -43,10 +43,7 @@ def attention_fwd_kernel(
     off_b = pid_b.to(tl.int64)  # int64 for pointer arithmetic: B·S·H·D may pass 2^31
     off_hkv = pid_bh % heads_kv
 
-    o_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    o_i = o_r // GROUP
-    o_h = off_hkv * GROUP + o_r % GROUP
-    m_r = o_r < seqlen_q * GROUP
+    o_i, o_h, m_r = packed_rows(pid_m, off_hkv, seqlen_q, GROUP, BLOCK_M)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
     o_n = tl.arange(0, BLOCK_N)
@@ -59,15 +56,8 @@ def attention_fwd_kernel(
         p_kt = K + off_b * stride_kb + off_hkv * stride_kh + o_n[None, :] * stride_ks + o_d[:, None]
         p_v = V + off_b * stride_vb + off_hkv * stride_vh + o_n[:, None] * stride_vs + o_dv[None, :]
 
-    # Key range. diag: query i sees key j when j <= i + diag (bottom-right alignment).
-    diag = seqlen_k - seqlen_q
-    hi = seqlen_k
-    full_hi = seqlen_k
-    if CAUSAL:
-        first_q = (pid_m * BLOCK_M) // GROUP
-        last_q = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, seqlen_q - 1)
-        hi = tl.maximum(tl.minimum(seqlen_k, last_q + diag + 1), 0)
-        full_hi = tl.maximum(tl.minimum(seqlen_k, first_q + diag + 1), 0)
+    # Key range: unmasked blocks every row sees whole, then the diagonal and the tail, masked.
+    diag, hi, full_hi = visible_key_range(pid_m, seqlen_q, seqlen_k, GROUP, BLOCK_M, CAUSAL)
     full_hi = (full_hi // BLOCK_N) * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
