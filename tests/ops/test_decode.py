@@ -249,22 +249,23 @@ def _check_decode_rows(q, k, v, o, lse, lengths, dtype):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("lengths", [[4113, 1, 32768 + 5, 999], [131072]], ids=["ragged", "128k"])
 def test_long_caches_bf16(lengths, layout, num_splits, sq):
+    """Sequences of different lengths (one shorter than the queries: its first rows see nothing), written with the
+    append kernel into NaN-filled caches, then ``sq`` query tokens per sequence into NaN-poisoned outputs."""
     b, hq, hkv, d = len(lengths), 32, 8, 128
-    q, k, v = _sequence(b, max(lengths), hq, hkv, d, d, torch.bfloat16, seed=sum(lengths), device="cuda")
+    _, k, v = _sequence(b, max(lengths), hkv, hkv, d, d, torch.bfloat16, seed=sum(lengths), device="cuda")
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
     k_cache, v_cache, table = _cache(layout, b, max(lengths), hkv, d, d, torch.bfloat16, seed=13, device="cuda")
-    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     for i, length in enumerate(lengths):
         row = slice(i, i + 1)
         D.cache.append_kv(k_cache[row] if table is None else k_cache, v_cache[row] if table is None else v_cache,
                           k[row, :length], v[row, :length], torch.zeros(1, dtype=torch.int32, device="cuda"),
                           None if table is None else table[row])
-    qs = torch.stack([q[i, max(length - sq, 0) : length] for i, length in enumerate(lengths)]) if min(lengths) >= sq \
-        else q[:, :sq]
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     out = torch.full((b, sq, hq, d), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse_out = torch.full((b, hq, sq), float("nan"), device="cuda")
-    o, lse = D.attention_with_kvcache(qs, k_cache, v_cache, None, None, lens, table, d**-0.5, True, num_splits,
+    o, lse = D.attention_with_kvcache(q, k_cache, v_cache, None, None, lens, table, d**-0.5, True, num_splits,
                                       out=out, lse_out=lse_out)
-    _check_decode_rows(qs, k, v, o, lse, lengths, torch.bfloat16)
+    _check_decode_rows(q, k, v, o, lse, lengths, torch.bfloat16)
 
 
 @gpu
