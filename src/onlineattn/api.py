@@ -246,3 +246,15 @@ def attention_with_kvcache(
             o, lse = torch_impl.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
                                                        causal)
     return (o, lse) if return_lse else o
+
+
+def _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None, backend="auto") -> None:
+    """Write new tokens into a cache in place without attending (for ``onlineattn.cache``, which owns and has checked
+    every index): ``k [B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + [0, S_new)``, ``cache_seqlens`` int32
+    ``[B]`` on the cache's device. Triton on CUDA, ``index_put_`` elsewhere."""
+    if _resolve_backend(backend, k=k) == "triton":
+        from .ops import cache
+
+        cache.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    else:
+        torch_impl.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
