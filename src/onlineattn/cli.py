@@ -131,11 +131,12 @@ def _add_info_parser(subparsers) -> None:
 
 def _add_bench_parser(subparsers) -> None:
     """Register ``bench`` and its subcommands; each module under ``bench/`` adds its own parser."""
-    from .bench import prefill
+    from .bench import decode, prefill
 
     p = subparsers.add_parser("bench", help="benchmark against SDPA's backends in the same run (needs CUDA)")
-    bench_commands = p.add_subparsers(dest="bench_command", required=True, metavar="{prefill}")
+    bench_commands = p.add_subparsers(dest="bench_command", required=True, metavar="{prefill,decode}")
     prefill.add_parser(bench_commands)
+    decode.add_parser(bench_commands)
 
 
 # ---------------------------------------------------------------------------------------------------------
