@@ -109,14 +109,26 @@ def attention(
     return (o, lse) if return_lse else o
 
 
+def _merge_backend(backend: str, **states: torch.Tensor) -> str:
+    """The merge kernel has no backward: where autograd needs a graph, ``auto`` takes the (differentiable) torch
+    path and a forced ``"triton"`` is refused rather than silently cutting the gradient."""
+    resolved = _resolve_backend(backend, **states)
+    if resolved == "triton" and torch.is_grad_enabled() and any(x.requires_grad for x in states.values()):
+        if backend == "triton":
+            raise NotImplementedError("backend='triton' merges have no backward; use backend='auto' or 'torch' for "
+                                      "states that require grad (or run under torch.no_grad())")
+        return "torch"
+    return resolved
+
+
 def merge_states(o_a, lse_a, o_b, lse_b, *, backend="auto"):
     """Merge attention over two disjoint key sets into attention over their union, exactly.
 
     Args:
         o_a, o_b: ``[batch, seqlen, heads, head_dim]`` partial outputs, one dtype.
         lse_a, lse_b: ``[batch, heads, seqlen]`` their log-sum-exps (natural log); any entry may be ``-inf``.
-        backend: ``"auto"`` (a Triton kernel for CUDA float16/bfloat16/float32 states, torch otherwise), ``"torch"`` or
-            ``"triton"``.
+        backend: ``"auto"`` (a Triton kernel for CUDA float16/bfloat16/float32 states that need no gradient, torch
+            otherwise), ``"torch"`` or ``"triton"``. The torch path is differentiable; the kernel is not.
 
     Returns:
         ``(o, lse)``: o in o_a's dtype, computed in float32 (float64 for float64). An empty part (lse = -inf) is
@@ -132,7 +144,7 @@ def merge_states(o_a, lse_a, o_b, lse_b, *, backend="auto"):
         True
     """
     V.check_states(o_a, lse_a, o_b, lse_b)
-    if _resolve_backend(backend, o_a=o_a, lse_a=lse_a) == "triton":
+    if _merge_backend(backend, o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b) == "triton":
         from .ops import merge
 
         return merge.merge_states(o_a, lse_a, o_b, lse_b)
@@ -160,7 +172,7 @@ def merge_states_list(os, lses, *, backend="auto"):
         True
     """
     V.check_states_list(os, lses)
-    if _resolve_backend(backend, os=os, lses=lses) == "triton":
+    if _merge_backend(backend, os=os, lses=lses) == "triton":
         from .ops import merge
 
         return merge.merge_states_list(os, lses)

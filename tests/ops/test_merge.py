@@ -118,6 +118,14 @@ def test_public_merge_dispatches_to_the_kernel_when_asked():
     assert torch.equal(kernel[0], direct[0]) and torch.equal(kernel[1], direct[1])
 
 
+def test_forced_kernel_refuses_states_that_need_gradients():
+    os, lses = _states((2, 1, 3, 2, 8), torch.float32, seed=12)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        onlineattn.merge_states_list(os.requires_grad_(), lses, backend="triton")
+    with torch.no_grad():
+        onlineattn.merge_states_list(os, lses, backend="triton")
+
+
 def test_batches_beyond_the_grid_limit_launch_in_slices(monkeypatch):
     from onlineattn.ops import forward as F
 
@@ -140,6 +148,20 @@ def test_list_merge_at_decode_scale(splits, dtype):
     out, lse_out = _poisoned(64, 1, 32, 128, dtype, device="cuda")
     o, lse = M.merge_states_list(os, lses, out=out, lse_out=lse_out)
     _check_merge(o, lse, *R.merge_states_list(os, lses), dtype)
+
+
+@gpu
+def test_auto_merge_keeps_gradients_on_cuda():
+    """States that require grad take the differentiable torch path under backend='auto'."""
+    q, k, v = (torch.randn(2, 9, 4, 32, device="cuda", requires_grad=True) for _ in range(3))
+    o_a, lse_a = onlineattn.attention(q, k[:, :5], v[:, :5], return_lse=True)
+    o_b, lse_b = onlineattn.attention(q, k[:, 5:], v[:, 5:], return_lse=True)
+    o, lse = onlineattn.merge_states(o_a, lse_a, o_b, lse_b)
+    do = torch.randn_like(o)
+    (o * do).sum().backward()
+    exact = R.naive_attention_backward(q, k, v, do)
+    for name, x, want in zip(("dq", "dk", "dv"), (q, k, v), exact):
+        R.assert_within_rule(name, x.grad, want, dtype_name="float32")
 
 
 @gpu
