@@ -223,13 +223,14 @@ def test_kvcache_float64_matches_the_oracle_exactly():
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_kvcache_empty_shapes(backend):
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # CPU: through the interpreter
     gen = torch.Generator().manual_seed(12)
-    q, k_cache, v_cache, k, v = _decode_inputs(gen)
+    q, k_cache, v_cache, k, v = (x.to(device) for x in _decode_inputs(gen))
     o, lse = onlineattn.attention_with_kvcache(q[:, :0], k_cache, v_cache, k, v, cache_seqlens=3, return_lse=True,
                                                backend=backend)
     assert o.shape == (2, 0, 4, 16) and lse.shape == (2, 4, 0)
     assert torch.equal(k_cache[:, 3:5], k), "the new tokens are written even without queries"
-    q, k_cache, v_cache, k, v = _decode_inputs(gen, b=0)
+    q, k_cache, v_cache, k, v = (x.to(device) for x in _decode_inputs(gen, b=0))
     assert onlineattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=0, backend=backend).shape[0] == 0
 
 

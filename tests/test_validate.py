@@ -393,12 +393,14 @@ def test_kvcache_bad_paged_argument(arg, value, exc, shown):
 def test_kvcache_bad_page_rejected_before_anything_is_written(backend):
     """A bad page id in the part of the table that the call uses is refused before the append, so no cache changes;
     -1 beyond the pages a sequence uses is fine."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # CPU: through the interpreter
     t = _kv(paged=True, new=2)
     t["block_table"] = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)
     t["cache_seqlens"] = torch.tensor([3, 15], dtype=torch.int32)  # sequence 1 writes tokens 15 and 16: page 9
+    t = {name: x.to(device) for name, x in t.items()}
     _raises(ValueError, "block_table", _kvcall(t, backend=backend), "block_table[1, 1]", 9)
     assert not t["k_cache"].any() and not t["v_cache"].any()
-    t["block_table"] = torch.tensor([[0, -1], [2, 3]], dtype=torch.int32)
+    t["block_table"] = torch.tensor([[0, -1], [2, 3]], dtype=torch.int32, device=device)
     _kvcall(t, backend=backend)()  # sequence 0 needs one page only
     assert t["k_cache"].any()
 

@@ -170,9 +170,9 @@ def test_every_split_is_written_poisoned_outputs(num_splits, monkeypatch):
     b, sq, hq, hkv, d = 2, 2, 4, 2, 16
     q, k, v = _sequence(b, 70, hq, hkv, d, d, torch.float32, seed=num_splits)
     k_cache, v_cache = k.clone(), v.clone()
-    lens = torch.tensor([68, 20], dtype=torch.int32)
-    out = torch.full((b, sq, hq, d), float("nan"))
-    lse_out = torch.full((b, hq, sq), float("nan"))
+    lens = torch.tensor([68, 20], dtype=torch.int32, device=DEVICE)
+    out = torch.full((b, sq, hq, d), float("nan"), device=DEVICE)
+    lse_out = torch.full((b, hq, sq), float("nan"), device=DEVICE)
     o, lse = D.attention_with_kvcache(q[:, :sq], k_cache, v_cache, None, None, lens, None, d**-0.5, True, num_splits,
                                       out=out, lse_out=lse_out)
     exact = R.kvcache_attention(q[:, :sq], k_cache, v_cache, cache_seqlens=lens)
@@ -196,17 +196,18 @@ def test_logits_near_fp16_overflow_and_non_contiguous_inputs():
 def test_triton_and_torch_appends_write_the_same_slots():
     b, hkv, d = 3, 2, 24
     _, k, v = _sequence(b, 9, hkv, hkv, d, d, torch.float32, seed=10)
-    lens = torch.tensor([0, 15, 30], dtype=torch.int32)
+    lens = torch.tensor([0, 15, 30], dtype=torch.int32, device=DEVICE)
+    q = torch.zeros(b, 1, hkv, d, device=DEVICE)
     caches = []
     for backend in ("triton", "torch"):
         k_cache, v_cache, table = _cache("paged16", b, 40, hkv, d, d, torch.float32, seed=11)
-        onlineattn.attention_with_kvcache(torch.zeros(b, 1, hkv, d), k_cache, v_cache, k, v, cache_seqlens=lens,
-                                          block_table=table, backend=backend)
+        onlineattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table,
+                                          backend=backend)
         caches.append((k_cache.nan_to_num(-7.0), v_cache.nan_to_num(-7.0)))
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
-    exact = R.kvcache_attention(torch.zeros(b, 1, hkv, d), *_cache("paged16", b, 40, hkv, d, d, torch.float32,
-                                seed=11)[:2], k, v, cache_seqlens=lens, block_table=table)
-    assert torch.equal(caches[0][0], torch.as_tensor(exact[2]).float().nan_to_num(-7.0))
+    exact = R.kvcache_attention(q, *_cache("paged16", b, 40, hkv, d, d, torch.float32, seed=11)[:2], k, v,
+                                cache_seqlens=lens, block_table=table)
+    assert torch.equal(caches[0][0].cpu(), torch.as_tensor(exact[2]).float().nan_to_num(-7.0))
 
 
 def test_deterministic_bitwise():

@@ -31,7 +31,8 @@ def append_kv_kernel(
     off_b = (pid // seqlen_new).to(tl.int64)
     off_t = pid % seqlen_new
     pos = tl.load(CACHE_SEQLENS + off_b) + off_t
-    page, slot = page_and_slot(BLOCK_TABLE, off_b * stride_btb, off_b, pos, True, PAGE_SIZE)
+    # Every position written lies inside its sequence's pages (checked by the caller): the mask is all true.
+    page, slot = page_and_slot(BLOCK_TABLE, off_b * stride_btb, off_b, pos, pos >= 0, PAGE_SIZE)
 
     o_h = tl.arange(0, BLOCK_H)
     m_h = o_h < heads_kv
