@@ -154,6 +154,93 @@ def test_merge_dtypes(o_dtype, lse_dtype, want_lse):
     assert o.shape == o_a.shape and lse.shape == lse_a.shape
 
 
+def test_merge_states_list_of_one_state_is_that_state():
+    gen = torch.Generator().manual_seed(8)
+    o, lse = torch.randn(1, 2, 5, 3, 8, generator=gen, dtype=torch.float64), torch.randn(1, 2, 3, 5, generator=gen, dtype=torch.float64)
+    merged = onlineattn.merge_states_list(o, lse)
+    assert torch.equal(merged[0], o[0]) and torch.equal(merged[1], lse[0])
+
+
+@pytest.mark.parametrize(
+    "os_shape,lses_shape,device,match",
+    [
+        ((0, 1, 2, 3, 4), (0, 1, 3, 2), "cpu", "at least one"),
+        ((2, 1, 2, 3, 4), (2, 1, 2, 3), "cpu", r"lses must have shape"),
+        ((2, 1, 2, 3, 4), (2, 1, 3), "cpu", r"lses must have 4 dims"),
+        ((1, 2, 3, 4), (2, 1, 3, 2), "cpu", r"os must have 5 dims"),
+        ((2, 1, 2, 3, 4), (2, 1, 3, 2), "meta", "one device"),
+    ],
+)
+def test_merge_states_list_rejects_bad_states(os_shape, lses_shape, device, match):
+    with pytest.raises(ValueError, match=match):
+        onlineattn.merge_states_list(torch.zeros(os_shape), torch.zeros(lses_shape, device=device))
+
+
+# ---- attention_with_kvcache ------------------------------------------------------------------------------------
+
+
+def _decode_inputs(gen, dtype=torch.float32, b=2, new=2):
+    q = torch.randn(b, 3, 4, 16, generator=gen).to(dtype)
+    k_cache, v_cache = (torch.randn(b, 40, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    k, v = (torch.randn(b, new, 2, 16, generator=gen).to(dtype) for _ in range(2))
+    return q, k_cache, v_cache, k, v
+
+
+@pytest.mark.parametrize("dtype,lse_dtype", [(torch.float64, torch.float64), (torch.float16, torch.float32)], ids=str)
+def test_kvcache_return_conventions(dtype, lse_dtype):
+    gen = torch.Generator().manual_seed(9)
+    q, k_cache, v_cache, k, v = _decode_inputs(gen, dtype)
+    lens = torch.tensor([5, 30], dtype=torch.int32)
+    o = onlineattn.attention_with_kvcache(q, k_cache.clone(), v_cache.clone(), k, v, cache_seqlens=lens)
+    o2, lse = onlineattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, return_lse=True)
+    assert torch.equal(o, o2) and o.dtype == dtype and o.shape == (2, 3, 4, 16)
+    assert lse.dtype == lse_dtype and lse.shape == (2, 4, 3)
+    assert lens.tolist() == [5, 30], "cache_seqlens is the caller's: it is not updated"
+
+
+def test_kvcache_auto_on_cpu_is_the_torch_path_and_int_lengths_equal_tensor_lengths():
+    gen = torch.Generator().manual_seed(10)
+    q, k_cache, v_cache, k, v = _decode_inputs(gen)
+    runs = []
+    for kw in ({}, {"backend": "torch"}, {"cache_seqlens": torch.full((2,), 7, dtype=torch.int32)}):
+        caches = k_cache.clone(), v_cache.clone()
+        out = onlineattn.attention_with_kvcache(q, *caches, k, v, **{"cache_seqlens": 7, **kw}, return_lse=True)
+        runs.append((*out, *caches))
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
+
+
+def test_kvcache_float64_matches_the_oracle_exactly():
+    gen = torch.Generator().manual_seed(11)
+    q, k_cache, v_cache, k, v = _decode_inputs(gen, torch.float64)
+    lens = torch.tensor([0, 38], dtype=torch.int32)
+    exact = R.kvcache_attention(q, k_cache, v_cache, k, v, cache_seqlens=lens)
+    o, lse = onlineattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, return_lse=True)
+    R.assert_within_rule("o", o, exact[0])
+    R.assert_within_rule("lse", lse, exact[1])
+    assert torch.equal(k_cache, torch.as_tensor(exact[2])) and torch.equal(v_cache, torch.as_tensor(exact[3]))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kvcache_empty_shapes(backend):
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # CPU: through the interpreter
+    gen = torch.Generator().manual_seed(12)
+    q, k_cache, v_cache, k, v = (x.to(device) for x in _decode_inputs(gen))
+    o, lse = onlineattn.attention_with_kvcache(q[:, :0], k_cache, v_cache, k, v, cache_seqlens=3, return_lse=True,
+                                               backend=backend)
+    assert o.shape == (2, 0, 4, 16) and lse.shape == (2, 4, 0)
+    assert torch.equal(k_cache[:, 3:5], k), "the new tokens are written even without queries"
+    q, k_cache, v_cache, k, v = (x.to(device) for x in _decode_inputs(gen, b=0))
+    assert onlineattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=0, backend=backend).shape[0] == 0
+
+
+def test_kvcache_is_not_differentiable():
+    gen = torch.Generator().manual_seed(13)
+    q, k_cache, v_cache, _, _ = _decode_inputs(gen)
+    o = onlineattn.attention_with_kvcache(q.requires_grad_(), k_cache, v_cache, cache_seqlens=10)
+    assert not o.requires_grad
+
+
 # ---- CUDA: the torch path on the device ------------------------------------------------------------------------
 
 

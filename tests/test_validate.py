@@ -300,3 +300,121 @@ def test_hypothesis_valid_shapes_pass(b, sq, sk, hkv, group, d, dv):
     v = torch.empty(b, sk, hkv, dv, device="meta")
     dims = V.check_qkv(q, k, v)
     assert dims == V.Dims(b, sq, sk, hkv * group, hkv, d, dv) and dims.group == group
+
+
+# ---- attention_with_kvcache ------------------------------------------------------------------------------------
+
+
+def _kv(b=2, sq=1, hq=4, hkv=2, d=8, dv=8, cap=32, new=1, paged=False, dtype=torch.float32):
+    """Valid arguments: a contiguous cache of ``cap`` tokens, or a pool of 6 pages of 16 with a 2-page table."""
+    t = {"q": torch.randn(b, sq, hq, d, dtype=dtype)}
+    if paged:
+        t["k_cache"], t["v_cache"] = torch.zeros(6, 16, hkv, d, dtype=dtype), torch.zeros(6, 16, hkv, dv, dtype=dtype)
+        t["block_table"] = torch.arange(2 * b, dtype=torch.int32).reshape(b, 2)
+    else:
+        t["k_cache"], t["v_cache"] = torch.zeros(b, cap, hkv, d, dtype=dtype), torch.zeros(b, cap, hkv, dv, dtype=dtype)
+    if new:
+        t["k"], t["v"] = torch.randn(b, new, hkv, d, dtype=dtype), torch.randn(b, new, hkv, dv, dtype=dtype)
+    t["cache_seqlens"] = torch.full((b,), 3, dtype=torch.int32)
+    return t
+
+
+def _kvcall(t, **kw):
+    t = {**t, **kw}
+    args = [t.pop(n) for n in ("q", "k_cache", "v_cache")]
+    return lambda: onlineattn.attention_with_kvcache(*args, **t)
+
+
+def test_kvcache_valid_arguments_pass():
+    for paged in (False, True):
+        assert _kvcall(_kv(paged=paged), backend="torch")().shape == (2, 1, 4, 8)
+
+
+@pytest.mark.parametrize(
+    "arg,value,exc,shown",
+    [
+        ("q", torch.randn(2, 4, 8), ValueError, [4, 3]),
+        ("k_cache", torch.zeros(2, 32, 2, 8, dtype=torch.float16), TypeError, ["float16"]),
+        ("k_cache", torch.zeros(3, 32, 2, 8), ValueError, [3, 2]),
+        ("v_cache", torch.zeros(2, 31, 2, 8), ValueError, [31]),
+        ("k_cache", torch.zeros(2, 32, 2, 12), ValueError, [8, 12]),
+        ("v_cache", torch.zeros(2, 32, 2, 300), ValueError, [256, 300]),
+        ("k_cache", torch.zeros(2, 32, 2, 16)[..., ::2], ValueError, ["stride"]),
+        ("k", torch.randn(2, 1, 2, 8, dtype=torch.float16), TypeError, ["float16"]),
+        ("k", torch.randn(2, 1, 1, 8), ValueError, [(2, 1, 2, 8)]),
+        ("v", torch.randn(2, 2, 2, 8), ValueError, [(2, 1, 2, 8)]),
+        ("v", None, ValueError, ["None"]),
+        ("cache_seqlens", torch.full((2,), 3), TypeError, ["int64"]),
+        ("cache_seqlens", torch.full((3,), 3, dtype=torch.int32), ValueError, [(3,)]),
+        ("cache_seqlens", 3.0, TypeError, ["float"]),
+        ("cache_seqlens", True, TypeError, ["bool"]),
+        ("cache_seqlens", -1, ValueError, [-1]),
+        ("cache_seqlens", 32, ValueError, [32, 31]),  # one new token: at most 31 cached
+        ("cache_seqlens", torch.tensor([3, -2], dtype=torch.int32), ValueError, ["cache_seqlens[1]", -2]),
+        ("cache_seqlens", torch.tensor([32, 3], dtype=torch.int32), ValueError, ["cache_seqlens[0]", 32, 31]),
+        ("num_splits", -1, ValueError, [-1]),
+        ("num_splits", 70000, ValueError, [70000]),
+        ("num_splits", 2.0, TypeError, ["float"]),
+        ("num_splits", True, TypeError, ["bool"]),
+        ("causal", 1, TypeError, ["int"]),
+        ("check_indices", None, TypeError, ["NoneType"]),
+        ("softmax_scale", float("nan"), ValueError, ["nan"]),
+        ("backend", "cuda", ValueError, ["'cuda'"]),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_kvcache_bad_argument(arg, value, exc, shown):
+    _raises(exc, arg, _kvcall(_kv(), **{arg: value}), *shown)
+
+
+@pytest.mark.parametrize(
+    "arg,value,exc,shown",
+    [
+        ("block_table", torch.zeros(2, 2, dtype=torch.int64), TypeError, ["int64"]),
+        ("block_table", torch.zeros(3, 2, dtype=torch.int32), ValueError, [3, 2]),
+        ("block_table", torch.zeros(2, dtype=torch.int32), ValueError, [2, 1]),
+        ("block_table", torch.tensor([[0, 1], [2, 6]], dtype=torch.int32), ValueError, ["block_table[1, 1]", 6]),
+        ("block_table", torch.tensor([[0, -1], [2, 3]], dtype=torch.int32), ValueError, ["block_table[0, 1]", -1]),
+        ("k_cache", torch.zeros(6, 24, 2, 8), ValueError, [24, 16]),
+        ("cache_seqlens", 32, ValueError, [32, 31]),
+    ],
+    ids=lambda x: x if isinstance(x, str) else None,
+)
+def test_kvcache_bad_paged_argument(arg, value, exc, shown):
+    t = _kv(paged=True)
+    if arg == "block_table" and value.dim() == 2 and value.shape[0] == 2 and value.dtype == torch.int32:
+        t["cache_seqlens"] = torch.tensor([20, 20], dtype=torch.int32)  # each sequence uses both of its pages
+    if arg == "k_cache":
+        t["v_cache"] = torch.zeros(6, 24, 2, 8)
+    _raises(exc, arg, _kvcall(t, **{arg: value}), *shown)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kvcache_bad_page_rejected_before_anything_is_written(backend):
+    """A bad page id in the part of the table that the call uses is refused before the append, so no cache changes;
+    -1 beyond the pages a sequence uses is fine."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # CPU: through the interpreter
+    t = _kv(paged=True, new=2)
+    t["block_table"] = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)
+    t["cache_seqlens"] = torch.tensor([3, 15], dtype=torch.int32)  # sequence 1 writes tokens 15 and 16: page 9
+    t = {name: x.to(device) for name, x in t.items()}
+    _raises(ValueError, "block_table", _kvcall(t, backend=backend), "block_table[1, 1]", 9)
+    assert not t["k_cache"].any() and not t["v_cache"].any()
+    t["block_table"] = torch.tensor([[0, -1], [2, 3]], dtype=torch.int32, device=device)
+    _kvcall(t, backend=backend)()  # sequence 0 needs one page only
+    assert t["k_cache"].any()
+
+
+def test_kvcache_heads_do_not_divide():
+    t = _kv()
+    _raises(ValueError, "k_cache", _kvcall(t, k_cache=torch.zeros(2, 32, 3, 8), v_cache=torch.zeros(2, 32, 3, 8)), 3, 4)
+
+
+def test_kvcache_devices():
+    t = _kv()
+    _raises(ValueError, "cache_seqlens", _kvcall(t, cache_seqlens=t["cache_seqlens"].to("meta")), "meta")
+    _raises(ValueError, "k", _kvcall(t, k=t["k"].to("meta")), "meta")
+
+
+def test_kvcache_triton_backend_refuses_float64():
+    _raises(TypeError, "q", _kvcall(_kv(dtype=torch.float64), backend="triton"), "float64")

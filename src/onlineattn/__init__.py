@@ -1,7 +1,9 @@
 """onlineattn: exact attention by the online-softmax recurrence, in PyTorch and Triton."""
 
-from . import reference
-from .api import attention, merge_states
+from . import cache, reference
+from .api import attention, attention_with_kvcache, merge_states, merge_states_list
 
 __version__ = "0.1.0"
-__all__ = ["attention", "merge_states", "reference", "__version__"]
+__all__ = [
+    "attention", "attention_with_kvcache", "merge_states", "merge_states_list", "cache", "reference", "__version__"
+]

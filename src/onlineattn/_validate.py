@@ -1,7 +1,8 @@
 """Argument checks shared by every public entry point.
 
 Each check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, wrong value), names the argument
-and says what was expected and what came. Nothing here touches tensor data, so checks cost no device work.
+and says what was expected and what came. Nothing here touches tensor data, so checks cost no device work, except
+``check_kvcache_indices``, which reads the cache lengths and the block table (one device-to-host copy).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
 BACKENDS = ("auto", "torch", "triton")
+PAGE_MULTIPLE = 16  # paged caches: the page size must be a multiple of this (a key block of the decode kernel)
+MAX_NUM_SPLITS = 65535  # split-KV decoding launches one program column per split; CUDA caps a grid dim there
 
 
 @dataclass(frozen=True)
@@ -130,3 +133,164 @@ def check_states(o_a, lse_a, o_b, lse_b) -> None:
     devices = {o_a.device, lse_a.device, o_b.device, lse_b.device}
     if len(devices) != 1:
         raise ValueError(f"o_a, lse_a, o_b and lse_b must be on one device, got {sorted(map(str, devices))}")
+
+
+def check_states_list(os, lses) -> None:
+    """Check ``S`` partial states stacked on a leading split dim: ``os [S, B, Sq, H, Dv]``, ``lses [S, B, H, Sq]``."""
+    check_tensor("os", os, ndim=5)
+    check_tensor("lses", lses, ndim=4)
+    splits, b, s, h, _ = os.shape
+    if splits == 0:
+        raise ValueError("os must hold at least one state (its split dim 0 has size 0)")
+    if tuple(lses.shape) != (splits, b, h, s):
+        raise ValueError(f"lses must have shape (S, B, H, Sq) = {(splits, b, h, s)}, got {tuple(lses.shape)}")
+    if os.device != lses.device:
+        raise ValueError(f"os and lses must be on one device, got {os.device} and {lses.device}")
+
+
+# ---- decoding against a KV cache ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheDims:
+    """Sizes of one ``attention_with_kvcache`` call. ``page_size`` is 0 for a contiguous cache ``[B, L_max, Hkv, D]``;
+    a paged cache is ``[num_pages, page_size, Hkv, D]``. ``capacity`` is the most tokens one sequence can hold."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_new: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    head_dim_v: int
+    page_size: int
+    num_pages: int
+    capacity: int
+
+
+def _same_device(**tensors) -> None:
+    devices = {name: x.device for name, x in tensors.items() if x is not None}
+    if len(set(devices.values())) > 1:
+        shown = ", ".join(f"{name} on {dev}" for name, dev in devices.items())
+        raise ValueError(f"all tensors must be on one device, got {shown}")
+
+
+def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> CacheDims:
+    """Check the tensors of ``attention_with_kvcache`` (shapes, dtypes, devices; an int ``cache_seqlens`` against the
+    capacity) and return their sizes. Tensor-valued lengths and page ids are checked by ``check_kvcache_indices``."""
+    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, x, ndim=4)
+    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache and v_cache must share one dtype, got {q.dtype}, {k_cache.dtype} and {v_cache.dtype}")
+    b, sq, hq, d = q.shape
+    paged = block_table is not None
+    if paged:
+        check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,))
+        if block_table.shape[0] != b:
+            raise ValueError(f"block_table must have one row per sequence: q has batch {b}, block_table has "
+                             f"{block_table.shape[0]} rows")
+        num_pages, page_size = k_cache.shape[:2]
+        if page_size == 0 or page_size % PAGE_MULTIPLE:
+            raise ValueError(f"k_cache's page size (dim 1 of a paged cache) must be a positive multiple of "
+                             f"{PAGE_MULTIPLE}, got {page_size}")
+        capacity = block_table.shape[1] * page_size
+    else:
+        num_pages, page_size, capacity = 0, 0, k_cache.shape[1]
+        if k_cache.shape[0] != b:
+            raise ValueError(f"k_cache must have q's batch size {b} (dim 0 of a contiguous cache), got "
+                             f"{k_cache.shape[0]}; pass block_table for a paged cache")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache must match k_cache in its first three dims: k_cache {tuple(k_cache.shape)}, "
+                         f"v_cache {tuple(v_cache.shape)}")
+    hkv = k_cache.shape[2]
+    if hkv == 0 or hq == 0 or hq % hkv != 0:
+        raise ValueError(f"k_cache has {hkv} heads, which does not divide q's {hq} heads")
+    if k_cache.shape[3] != d:
+        raise ValueError(f"k_cache's head dim must equal q's: expected {d}, got {k_cache.shape[3]}")
+    dv = v_cache.shape[3]
+    for name, dim in (("q", d), ("v_cache", dv)):
+        if not 1 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"{name}'s head dim must be between 1 and {MAX_HEAD_DIM}, got {dim}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must have stride 1 in its last dim (it is written in place, so it cannot be "
+                             f"copied), got strides {x.stride()}")
+    new = _check_new_tokens(k, v, b, hkv, d, dv, k_cache.dtype)
+    _same_device(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,
+                 cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None)
+    _check_cache_seqlens(cache_seqlens, b, new, capacity)
+    return CacheDims(b, sq, new, hq, hkv, d, dv, page_size, num_pages, capacity)
+
+
+def _check_new_tokens(k, v, b: int, hkv: int, d: int, dv: int, dtype) -> int:
+    """k ``[B, S_new, Hkv, D]`` and v ``[B, S_new, Hkv, Dv]``, both or neither, in the cache's dtype; returns S_new."""
+    if (k is None) != (v is None):
+        given, missing = ("k", "v") if v is None else ("v", "k")
+        raise ValueError(f"k and v are new tokens and come together: {given} was given, {missing} is None")
+    if k is None:
+        return 0
+    check_tensor("k", k, ndim=4, dtypes=(dtype,))
+    check_tensor("v", v, ndim=4, dtypes=(dtype,))
+    new = k.shape[1]
+    for name, x, want in (("k", k, (b, new, hkv, d)), ("v", v, (b, new, hkv, dv))):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name} must have shape (B, S_new, Hkv, {'D' if name == 'k' else 'Dv'}) = {want}, "
+                             f"got {tuple(x.shape)}")
+    return new
+
+
+def _check_cache_seqlens(cache_seqlens, b: int, new: int, capacity: int) -> None:
+    if isinstance(cache_seqlens, torch.Tensor):
+        check_tensor("cache_seqlens", cache_seqlens, dtypes=(torch.int32,))
+        if tuple(cache_seqlens.shape) != (b,):
+            raise ValueError(f"cache_seqlens must have shape (B,) = ({b},), got {tuple(cache_seqlens.shape)}")
+        return
+    if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, int):
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor of shape ({b},), got "
+                        f"{type(cache_seqlens).__name__}")
+    if not 0 <= cache_seqlens <= capacity - new:
+        raise ValueError(f"cache_seqlens = {cache_seqlens} with {new} new tokens does not fit the cache: expected "
+                         f"0 <= cache_seqlens <= {capacity - new} (capacity {capacity} tokens)")
+
+
+def check_kvcache_indices(cache_seqlens, block_table, dims: CacheDims) -> int:
+    """Check the values of ``cache_seqlens`` (in ``[0, capacity − S_new]``) and of the block-table entries that the
+    call uses (the first ``ceil((cache_seqlens[b] + S_new) / page_size)`` of row b, in ``[0, num_pages)``), before any
+    kernel runs. Unused entries may hold anything (-1 padding, say). Reads the data with one device-to-host copy.
+
+    Returns the longest key length ``max(cache_seqlens) + S_new``.
+    """
+    if dims.batch == 0:
+        return 0
+    lens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    if lens is None and block_table is None:
+        return cache_seqlens + dims.seqlen_new  # an int was checked on the host already
+    device = block_table.device if lens is None else lens.device
+    lens = torch.full((dims.batch,), cache_seqlens, device=device) if lens is None else lens.long()
+    stats = [lens.min(), lens.max()]
+    if block_table is not None:
+        pages_used = (lens.clamp(0, dims.capacity - dims.seqlen_new) + dims.seqlen_new + dims.page_size - 1) // dims.page_size
+        used = torch.arange(block_table.shape[1], device=device)[None, :] < pages_used[:, None]
+        bad_pages = used & ((block_table < 0) | (block_table >= dims.num_pages))
+        stats.append(bad_pages.sum())
+    lo, hi, *n_bad = torch.stack(stats).tolist()
+    if lo < 0 or hi > dims.capacity - dims.seqlen_new:
+        i = int(((lens < 0) | (lens > dims.capacity - dims.seqlen_new)).nonzero()[0, 0])
+        raise ValueError(f"cache_seqlens[{i}] = {int(lens[i])} with {dims.seqlen_new} new tokens does not fit the "
+                         f"cache: expected 0 <= cache_seqlens <= {dims.capacity - dims.seqlen_new} "
+                         f"(capacity {dims.capacity} tokens)")
+    if n_bad and n_bad[0]:
+        i, j = (int(x) for x in bad_pages.nonzero()[0])
+        raise ValueError(f"block_table[{i}, {j}] = {int(block_table[i, j])} is not a page of k_cache, which has "
+                         f"{dims.num_pages} pages (valid ids 0..{dims.num_pages - 1}); sequence {i} uses its first "
+                         f"{int(pages_used[i])} entries")
+    return hi + dims.seqlen_new
+
+
+def check_num_splits(num_splits) -> int:
+    """``0`` chooses automatically; otherwise the number of key chunks per (sequence, kv head)."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"num_splits must be an int, got {type(num_splits).__name__}")
+    if not 0 <= num_splits <= MAX_NUM_SPLITS:
+        raise ValueError(f"num_splits must be between 0 (automatic) and {MAX_NUM_SPLITS}, got {num_splits}")
+    return num_splits

@@ -22,20 +22,27 @@ def _triton_forward_available() -> bool:
     return True
 
 
-def _resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """``auto``: Triton for CUDA tensors of a kernel dtype, torch otherwise (float64 stays exact on the torch path)."""
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _resolve_backend(backend: str, **tensors: torch.Tensor) -> str:
+    """``auto``: Triton when the tensors are on CUDA in a kernel dtype, torch otherwise (float64 stays exact on the
+    torch path). The first tensor decides the device; the names appear in the errors of a forced ``"triton"``."""
     backend = V.check_backend(backend)
+    first = next(iter(tensors.values()))
     if backend == "auto":
-        kernel_dtype = q.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        return "triton" if q.is_cuda and kernel_dtype and _triton_forward_available() else "torch"
+        kernel_dtypes = all(x.dtype in KERNEL_DTYPES for x in tensors.values())
+        return "triton" if first.is_cuda and kernel_dtypes and _triton_forward_available() else "torch"
     if backend == "triton":
         if not _triton_forward_available():
             raise ValueError("backend='triton' needs the triton package, which is not importable here")
-        if q.dtype == torch.float64:
-            raise TypeError("backend='triton' takes float16, bfloat16 or float32; q has dtype float64 (use 'torch')")
-        if not q.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        for name, x in tensors.items():
+            if x.dtype == torch.float64:
+                raise TypeError(f"backend='triton' takes float16, bfloat16 or float32; {name} has dtype float64 "
+                                "(use 'torch')")
+        if not first.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(
-                f"backend='triton' with tensors on {q.device} needs TRITON_INTERPRET=1 set before triton is imported"
+                f"backend='triton' with tensors on {first.device} needs TRITON_INTERPRET=1 set before triton is imported"
             )
     return backend
 
@@ -92,7 +99,7 @@ def attention(
     V.check_not_yet("dropout_p", dropout_p, 0.0, issue=6)
     V.check_not_yet("attn_bias", attn_bias, None, issue=6)
     V.check_not_yet("sinks", sinks, None, issue=6)
-    backend = _resolve_backend(backend, q)
+    backend = _resolve_backend(backend, q=q)
     if backend == "triton":
         from .ops import forward as triton_forward
 
@@ -102,12 +109,26 @@ def attention(
     return (o, lse) if return_lse else o
 
 
-def merge_states(o_a, lse_a, o_b, lse_b):
+def _merge_backend(backend: str, **states: torch.Tensor) -> str:
+    """The merge kernel has no backward: where autograd needs a graph, ``auto`` takes the (differentiable) torch
+    path and a forced ``"triton"`` is refused rather than silently cutting the gradient."""
+    resolved = _resolve_backend(backend, **states)
+    if resolved == "triton" and torch.is_grad_enabled() and any(x.requires_grad for x in states.values()):
+        if backend == "triton":
+            raise NotImplementedError("backend='triton' merges have no backward; use backend='auto' or 'torch' for "
+                                      "states that require grad (or run under torch.no_grad())")
+        return "torch"
+    return resolved
+
+
+def merge_states(o_a, lse_a, o_b, lse_b, *, backend="auto"):
     """Merge attention over two disjoint key sets into attention over their union, exactly.
 
     Args:
         o_a, o_b: ``[batch, seqlen, heads, head_dim]`` partial outputs, one dtype.
         lse_a, lse_b: ``[batch, heads, seqlen]`` their log-sum-exps (natural log); any entry may be ``-inf``.
+        backend: ``"auto"`` (a Triton kernel for CUDA float16/bfloat16/float32 states that need no gradient, torch
+            otherwise), ``"torch"`` or ``"triton"``. The torch path is differentiable; the kernel is not.
 
     Returns:
         ``(o, lse)``: o in o_a's dtype, computed in float32 (float64 for float64). An empty part (lse = -inf) is
@@ -123,4 +144,129 @@ def merge_states(o_a, lse_a, o_b, lse_b):
         True
     """
     V.check_states(o_a, lse_a, o_b, lse_b)
+    if _merge_backend(backend, o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b) == "triton":
+        from .ops import merge
+
+        return merge.merge_states(o_a, lse_a, o_b, lse_b)
     return torch_impl.merge_states(o_a, lse_a, o_b, lse_b)
+
+
+def merge_states_list(os, lses, *, backend="auto"):
+    """Merge ``S`` partial states over disjoint key sets, stacked on a leading split dimension, exactly.
+
+    Args:
+        os: ``[splits, batch, seqlen, heads, head_dim]`` partial outputs (``splits >= 1``).
+        lses: ``[splits, batch, heads, seqlen]`` their log-sum-exps (natural log); any entry may be ``-inf``.
+        backend: as in ``merge_states``.
+
+    Returns:
+        ``(o [batch, seqlen, heads, head_dim], lse [batch, heads, seqlen])``: o in os' dtype, computed in float32
+        (float64 for float64); lse float32 (float64 for float64). Rows empty in every part get o = 0, lse = -inf.
+
+    Example:
+        >>> import torch, onlineattn
+        >>> q, k, v = torch.randn(1, 3, 2, 8), torch.randn(1, 9, 2, 8), torch.randn(1, 9, 2, 8)
+        >>> parts = [onlineattn.attention(q, k[:, a:a + 3], v[:, a:a + 3], return_lse=True) for a in (0, 3, 6)]
+        >>> o, lse = onlineattn.merge_states_list(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+        >>> torch.allclose(o, onlineattn.attention(q, k, v), atol=1e-6)
+        True
+    """
+    V.check_states_list(os, lses)
+    if _merge_backend(backend, os=os, lses=lses) == "triton":
+        from .ops import merge
+
+        return merge.merge_states_list(os, lses)
+    return torch_impl.merge_states_list(os, lses)
+
+
+def attention_with_kvcache(
+    q,
+    k_cache,
+    v_cache,
+    k=None,
+    v=None,
+    *,
+    cache_seqlens,
+    block_table=None,
+    causal=True,
+    softmax_scale=None,
+    num_splits=0,
+    return_lse=False,
+    check_indices=True,
+    backend="auto",
+):
+    """Attention of new queries over a KV cache, appending new keys and values in place (flash-attn's
+    ``flash_attn_with_kvcache``). Not differentiable: it is meant for inference.
+
+    Args:
+        q: ``[batch, seqlen_q, heads_q, head_dim]``; ``seqlen_q`` may exceed 1 (speculative decoding, chunked prefill).
+        k_cache: contiguous ``[batch, max_seqlen, heads_kv, head_dim]``, or with ``block_table`` a page pool
+            ``[num_pages, page_size, heads_kv, head_dim]`` (``page_size`` a multiple of 16). Its last dim must have
+            stride 1, since it is written in place.
+        v_cache: ``[batch, max_seqlen, heads_kv, head_dim_v]`` or ``[num_pages, page_size, heads_kv, head_dim_v]``.
+        k, v: optional new tokens ``[batch, seqlen_new, heads_kv, head_dim(_v)]`` in the cache's dtype, written into
+            the caches at positions ``cache_seqlens[b] + [0, seqlen_new)`` before attending.
+        cache_seqlens: tokens already in each sequence's cache, an int or an int32 tensor ``[batch]``. It is not
+            updated: the caller adds ``seqlen_new`` for the next call.
+        block_table: int32 ``[batch, max_pages]``; token t of sequence b lives in page ``block_table[b, t // page_size]``
+            at slot ``t % page_size``.
+        causal: bottom-right aligned over the ``cache_seqlens[b] + seqlen_new`` visible tokens: query i sees token j
+            when ``j <= i + cache_seqlens[b] + seqlen_new - seqlen_q``. With ``seqlen_q = 1`` it sees them all.
+        softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        num_splits: key chunks per (sequence, kv head) processed in parallel and merged (split-KV); 0 chooses from the
+            batch, the heads, the cache length and the GPU's SM count. The torch path computes without splitting.
+        return_lse: also return the log-sum-exp (natural log).
+        check_indices: check the values of ``cache_seqlens`` and of the block-table entries used before any kernel
+            runs (one device-to-host copy). Pass False only where the caller guarantees them, as ``onlineattn.cache``
+            does: an out-of-range value is then undefined behaviour.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+
+    Returns:
+        ``o [batch, seqlen_q, heads_q, head_dim_v]`` in q's dtype, and with ``return_lse`` also
+        ``lse [batch, heads_q, seqlen_q]`` in float32 (float64 for float64). A query that sees no token gets
+        ``o = 0`` and ``lse = -inf``.
+
+    Example:
+        >>> import torch, onlineattn
+        >>> k_cache, v_cache = torch.zeros(2, 64, 2, 16), torch.zeros(2, 64, 2, 16)
+        >>> q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+        >>> lengths = torch.tensor([10, 3], dtype=torch.int32)
+        >>> onlineattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lengths).shape
+        torch.Size([2, 1, 4, 16])
+        >>> torch.equal(k_cache[0, 10], k[0, 0]) and torch.equal(k_cache[1, 3], k[1, 0])
+        True
+    """
+    dims = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+    scale = V.check_scale(softmax_scale, dims.head_dim)
+    causal = V.check_bool("causal", causal)
+    return_lse = V.check_bool("return_lse", return_lse)
+    check_indices = V.check_bool("check_indices", check_indices)
+    num_splits = V.check_num_splits(num_splits)
+    backend = _resolve_backend(backend, q=q)
+    max_seqlen_k = V.check_kvcache_indices(cache_seqlens, block_table, dims) if check_indices else None
+    if not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.full((dims.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
+    with torch.no_grad():
+        if backend == "triton":
+            from .ops import decode
+
+            o, lse = decode.attention_with_kvcache(
+                q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, num_splits,
+                max_seqlen_k=max_seqlen_k,
+            )
+        else:
+            o, lse = torch_impl.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
+                                                       causal)
+    return (o, lse) if return_lse else o
+
+
+def _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None, backend="auto") -> None:
+    """Write new tokens into a cache in place without attending (for ``onlineattn.cache``, which owns and has checked
+    every index): ``k [B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + [0, S_new)``, ``cache_seqlens`` int32
+    ``[B]`` on the cache's device. Triton on CUDA, ``index_put_`` elsewhere."""
+    if _resolve_backend(backend, k=k) == "triton":
+        from .ops import cache
+
+        cache.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    else:
+        torch_impl.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)

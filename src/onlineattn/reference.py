@@ -10,7 +10,8 @@ Layout follows flash-attn: ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hkv, D]``, ``v [B, 
 
 Inputs may be NumPy arrays or torch tensors of any float dtype; everything is computed in float64.
 The torch helpers at the end (``torch_math_attention`` and ``assert_within_rule``) give the same-dtype baseline
-and the error rule of ENGINEERING.md section 3.
+and the error rule of ENGINEERING.md section 3. ``merge_states_list`` and ``kvcache_attention`` are the oracles of
+the split-KV merge and of decoding against contiguous or paged KV caches.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ __all__ = [
     "online_attention",
     "online_softmax",
     "merge_states",
+    "merge_states_list",
+    "kvcache_attention",
     "visible_mask",
     "torch_math_attention",
     "error_bound",
@@ -165,7 +168,8 @@ def online_attention(q, k, v, *, causal=False, softmax_scale=None, block: int = 
 def merge_states(o_a, lse_a, o_b, lse_b):
     """Exact merge of attention over two disjoint key sets: ``o [B, S, H, D]``, ``lse [B, H, S]``.
 
-    Either lse may be -inf (an empty part is neutral); two empty parts give o = 0 and lse = -inf.
+    Either lse may be -inf (an empty part is neutral, whatever its o holds); two empty parts give o = 0 and
+    lse = -inf.
     """
     o_a, lse_a, o_b, lse_b = _f64(o_a), _f64(lse_a), _f64(o_b), _f64(lse_b)
     m = np.maximum(lse_a, lse_b)
@@ -177,7 +181,66 @@ def merge_states(o_a, lse_a, o_b, lse_b):
         frac_a = np.where(total > 0, w_a / np.where(total > 0, total, 1.0), 0.0)
         frac_b = np.where(total > 0, w_b / np.where(total > 0, total, 1.0), 0.0)
     to_o = lambda w: w.transpose(0, 2, 1)[..., None]  # [B, H, S] -> [B, S, H, 1]
-    return to_o(frac_a) * o_a + to_o(frac_b) * o_b, lse
+    part = lambda frac, o: np.where(to_o(frac) > 0, to_o(frac) * o, 0.0)  # an empty part adds nothing, even NaN
+    return part(frac_a, o_a) + part(frac_b, o_b), lse
+
+
+def merge_states_list(os, lses):
+    """Merge ``S`` partial states over disjoint key sets: ``os [S, B, Sq, H, Dv]``, ``lses [S, B, H, Sq]``.
+
+    Folds ``merge_states`` over the split dimension, starting from the empty state (o = 0, lse = -inf), which every
+    merge leaves unchanged. Returns float64 ``(o [B, Sq, H, Dv], lse [B, H, Sq])``.
+    """
+    os, lses = _f64(os), _f64(lses)
+    o, lse = np.zeros(os.shape[1:]), np.full(lses.shape[1:], -np.inf)
+    for o_s, lse_s in zip(os, lses):
+        o, lse = merge_states(o, lse, o_s, lse_s)
+    return o, lse
+
+
+def _ints(x) -> np.ndarray:
+    if hasattr(x, "detach"):
+        return x.detach().to("cpu").numpy().astype(np.int64)
+    return np.asarray(x, dtype=np.int64)
+
+
+def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, block_table=None, causal=True,
+                      softmax_scale=None):
+    """Decoding against a KV cache, with flash-attn's ``flash_attn_with_kvcache`` semantics, in float64.
+
+    Caches are contiguous ``[B, L_max, Hkv, D]`` or, with ``block_table [B, max_pages]``, paged
+    ``[num_pages, page_size, Hkv, D]`` (token t of sequence b lives in page ``block_table[b, t // page_size]``, slot
+    ``t % page_size``). The new tokens ``k [B, S_new, Hkv, D]``, ``v [B, S_new, Hkv, Dv]`` are written at positions
+    ``cache_seqlens[b] + [0, S_new)``, then ``q [B, Sq, Hq, D]`` attends over the first ``cache_seqlens[b] + S_new``
+    tokens (bottom-right causal). ``cache_seqlens`` is an int or a ``[B]`` array.
+
+    Returns float64 ``(o [B, Sq, Hq, Dv], lse [B, Hq, Sq], k_cache, v_cache)``: the caches are copies with the new
+    tokens written; the inputs are not modified.
+    """
+    q, k_cache, v_cache = _f64(q), _f64(k_cache).copy(), _f64(v_cache).copy()
+    b, sq, hq, _ = q.shape
+    lens = np.broadcast_to(_ints(cache_seqlens), (b,))
+    table = None if block_table is None else _ints(block_table)
+    new = 0 if k is None else k.shape[1]
+    page_size = k_cache.shape[1]
+
+    def where(i, positions):  # index of tokens ``positions`` of sequence i in the cache's first two dims
+        if table is None:
+            return i, positions
+        return table[i, positions // page_size], positions % page_size
+
+    for i in range(b if new else 0):  # every write lands before any read, as in one kernel call
+        positions = where(i, lens[i] + np.arange(new))
+        k_cache[positions], v_cache[positions] = _f64(k)[i], _f64(v)[i]
+    o = np.zeros((b, sq, hq, v_cache.shape[-1]))
+    lse = np.zeros((b, hq, sq))
+    for i in range(b):
+        visible = where(i, np.arange(lens[i] + new))
+        o[i : i + 1], lse[i : i + 1] = naive_attention(
+            q[i : i + 1], k_cache[visible][None], v_cache[visible][None], causal=causal,
+            softmax_scale=softmax_scale, return_lse=True,
+        )
+    return o, lse, k_cache, v_cache
 
 
 # ---------------------------------------------------------------------------------------------------------

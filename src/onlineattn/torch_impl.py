@@ -206,17 +206,71 @@ def attention(q, k, v, scale: float, causal: bool):
     return blockwise_fwd(q, k, v, scale, causal)
 
 
-def merge_states(o_a, lse_a, o_b, lse_b):
-    """Exact merge of two partial states; computed in float32 (float64 for float64), o returned in o_a's dtype."""
-    cdt = torch.promote_types(_compute_dtype(o_a.dtype), lse_a.dtype)
-    la, lb = lse_a.to(cdt), lse_b.to(cdt)
-    m = torch.maximum(la, lb)
+def merge_states_list(os, lses):
+    """Exact merge of ``S`` partial states over disjoint key sets: ``os [S, B, Sq, H, Dv]``, ``lses [S, B, H, Sq]``
+    -> ``(o [B, Sq, H, Dv] in os' dtype, lse [B, H, Sq])``, computed in float32 (float64 for float64 inputs).
+
+    Weights are ``exp(lse_s − max lse)``; an empty part (lse = -inf) has weight 0 and contributes nothing, even if its
+    o is not finite. Where every part is empty, o = 0 and lse = -inf.
+    """
+    cdt = torch.promote_types(_compute_dtype(os.dtype), lses.dtype)
+    lse_s = lses.to(cdt)
+    m = lse_s.amax(dim=0)
     m_safe = m.masked_fill(m == float("-inf"), 0.0)
-    w_a, w_b = torch.exp(la - m_safe), torch.exp(lb - m_safe)
-    total = w_a + w_b
+    w = torch.exp(lse_s - m_safe)
+    total = w.sum(dim=0)
     empty = total == 0
     total_safe = total.masked_fill(empty, 1.0)
     lse = (m_safe + torch.log(total_safe)).masked_fill(empty, float("-inf"))
-    frac = lambda w: (w / total_safe).transpose(1, 2)[..., None]  # [B, H, S] -> [B, S, H, 1]
-    o = frac(w_a) * o_a.to(cdt) + frac(w_b) * o_b.to(cdt)
-    return o.to(o_a.dtype), lse
+    frac = (w / total_safe).transpose(-1, -2)[..., None]  # [S, B, H, Sq] -> [S, B, Sq, H, 1]
+    o = torch.where(frac > 0, frac * os.to(cdt), 0.0).sum(dim=0)
+    return o.to(os.dtype), lse
+
+
+def merge_states(o_a, lse_a, o_b, lse_b):
+    """Exact merge of two partial states; computed in float32 (float64 for float64), o returned in o_a's dtype."""
+    return merge_states_list(torch.stack((o_a, o_b)), torch.stack((lse_a, lse_b)))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# KV caches: contiguous [B, L_max, Hkv, D] or paged [num_pages, page_size, Hkv, D] with block_table [B, max_pages].
+
+
+def _cache_index(positions: torch.Tensor, block_table, page_size: int):
+    """Index of token ``positions [B, N]`` of each sequence into a cache's first two dims (for ``index_put_``)."""
+    if block_table is None:
+        batch = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        return batch.expand_as(positions), positions
+    return block_table.long().gather(1, positions // page_size), positions % page_size
+
+
+def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> None:
+    """Write ``k [B, S_new, Hkv, D]`` and ``v [B, S_new, Hkv, Dv]`` into the caches in place, at positions
+    ``cache_seqlens[b] + [0, S_new)`` (``cache_seqlens``: int32 ``[B]`` on the caches' device). Device ops only: no
+    host synchronisation. The caller has checked that every position lies inside its sequence's pages."""
+    positions = cache_seqlens.long()[:, None] + torch.arange(k.shape[1], device=k.device)
+    index = _cache_index(positions, block_table, k_cache.shape[1])
+    k_cache.index_put_(index, k)
+    v_cache.index_put_(index, v)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale: float, causal: bool):
+    """Decoding on the torch path: append the new tokens, then per sequence gather its visible keys (the first
+    ``cache_seqlens[b] + S_new``) and run the blockwise ``forward``. Reads the lengths on the host (one sync).
+
+    Returns ``o [B, Sq, Hq, Dv]`` in q's dtype and ``lse [B, Hq, Sq]`` in float32 (float64 for float64).
+    """
+    if k is not None:
+        append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    new = 0 if k is None else k.shape[1]
+    b, sq, hq, _ = q.shape
+    o = q.new_empty((b, sq, hq, v_cache.shape[-1]))
+    lse = torch.empty((b, hq, sq), dtype=_compute_dtype(q.dtype), device=q.device)
+    for i, length in enumerate((cache_seqlens + new).tolist()):
+        if block_table is None:  # a view: the first ``length`` tokens of sequence i
+            keys, values = k_cache[i : i + 1, :length], v_cache[i : i + 1, :length]
+        else:  # a gather from the sequence's pages: [1, length, Hkv, D]
+            index = _cache_index(torch.arange(length, device=q.device)[None], block_table[i : i + 1], k_cache.shape[1])
+            keys, values = k_cache[index], v_cache[index]
+        o[i : i + 1], lse[i : i + 1] = forward(q[i : i + 1], keys, values, scale, causal)
+    return o, lse

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from .prefill import DEFAULT_OUT, Case, environment
+from .prefill import Case
+from .rows import add_output_options, append_rows, environment
 
 
 def step(n: int, h: int, d: int, dtype=torch.bfloat16, seed: int = 0) -> dict:
@@ -55,10 +56,7 @@ def run(n: int, h: int, d: int, *, out: Path | None, commit: str | None = None) 
         "finite": result["finite"],
     }
     print(json.dumps(row))
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+    append_rows(out, [row])
     return row
 
 
@@ -67,9 +65,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--n", type=int, default=1 << 20, help="sequence length")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--d", type=int, default=128)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON-lines file the row is appended to")
-    p.add_argument("--no-write", action="store_true", help="print only")
-    p.add_argument("--commit", default=None, help="commit measured (default: git rev-parse)")
+    add_output_options(p)
     p.set_defaults(func=main)
 
 

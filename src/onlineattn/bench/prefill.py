@@ -7,21 +7,18 @@ Each measurement becomes one JSON line (ENGINEERING.md section 5).
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import json
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .rows import add_output_options, append_rows, environment
 
 HEAD_DIMS = (64, 128, 256)
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_SEQLENS = (1024, 8192)
 TOKENS = 16384
 HIDDEN = 2048
-DEFAULT_OUT = Path("benchmarks/results/h200.jsonl")
 
 
 @dataclass(frozen=True)
@@ -87,21 +84,6 @@ def _timed(fn, mode: str, q, k, v, causal) -> float:
     return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
 
 
-def environment(commit: str | None) -> dict:
-    import triton
-
-    if commit is None:
-        with contextlib.suppress(OSError, subprocess.CalledProcessError):
-            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    return {
-        "date": datetime.date.today().isoformat(),
-        "commit": commit or "unknown",
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-    }
-
-
 def run(cases, providers, modes, *, out: Path | None, commit: str | None = None, dtype=torch.bfloat16):
     """Measure every (case, mode, provider); print a table; append rows to ``out``. Returns the rows."""
     env = environment(commit)
@@ -130,11 +112,7 @@ def run(cases, providers, modes, *, out: Path | None, commit: str | None = None,
                 })
             print(f"{mode:6} {case.d:4} {int(case.causal):2} {case.n:6} {case.b:3} {case.h:3} " + " ".join(cells))
         del q, k, v
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+    append_rows(out, rows)
     return rows
 
 
@@ -146,9 +124,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--causal", choices=("0", "1", "both"), default="both")
     p.add_argument("--providers", nargs="*", default=list(PROVIDERS), choices=list(PROVIDERS))
     p.add_argument("--quick", action="store_true", help="two lengths per head dim")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON-lines file the rows are appended to")
-    p.add_argument("--no-write", action="store_true", help="print only")
-    p.add_argument("--commit", default=None, help="commit measured (default: git rev-parse)")
+    add_output_options(p)
     p.set_defaults(func=main)
 
 

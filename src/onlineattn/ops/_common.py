@@ -1,4 +1,5 @@
-"""Triton helpers shared by the kernels: the online-softmax step and the epilogue that turns (m, l, acc) into (o, lse).
+"""Triton helpers shared by the kernels: the online-softmax step, the epilogue that turns (m, l, acc) into (o, lse), the
+merge of partial states (natural log) and the page lookup of the KV caches.
 
 Scores are kept in the log2 domain: ``x = s · scale · log2(e)``, so ``exp`` becomes ``exp2`` and the scale costs one
 multiply folded into the max. ``m`` is the running max of x, ``l`` the running sum of ``2^(x − m)``.
@@ -61,3 +62,48 @@ def key_range(start_r, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.co
         hi = tl.maximum(tl.minimum(seqlen_k, last_q + diag + 1), 0)
         full_hi = tl.maximum(tl.minimum(seqlen_k, first_q + diag + 1), 0)
     return (full_hi // BLOCK_N) * BLOCK_N, hi
+
+
+@triton.jit
+def merge_state_step(m, l, acc, lse, o):
+    """Fold one partial state into a running merge: ``lse [R]`` (natural log) and ``o [R, DV]``, both float32.
+
+    The running state is ``m`` (largest lse so far), ``l = Σ exp(lse_s − m)`` and ``acc = Σ exp(lse_s − m) · o_s``; it
+    starts at ``(-inf, 0, 0)``. An empty part (lse = -inf) adds nothing, even where its o holds garbage, and a max that
+    is still -inf is replaced by 0 so that ``exp(-inf − m)`` is 0 rather than NaN.
+    """
+    m_new = tl.maximum(m, lse)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    w = tl.exp(lse - m_safe)
+    acc = acc * alpha[:, None] + tl.where(w[:, None] > 0.0, w[:, None] * o, 0.0)
+    return m_new, l * alpha + w, acc
+
+
+@triton.jit
+def finalize_merge(m, l, acc):
+    """``o = acc / l`` and ``lse = m + ln l`` of a merge; where every part was empty, o = 0 and lse = -inf.
+
+    A single non-empty part comes back bit for bit: its weight is ``exp(0) = 1``.
+    """
+    empty = l == 0.0
+    l_safe = tl.where(empty, 1.0, l)
+    return acc / l_safe[:, None], tl.where(empty, float("-inf"), m + tl.log(l_safe))
+
+
+@triton.jit
+def page_and_slot(BLOCK_TABLE, off_bt, off_b, pos, mask, PAGE_SIZE: tl.constexpr):
+    """Where key position ``pos`` (a block or a scalar) of batch entry ``off_b`` lives in a KV cache.
+
+    Paged (``PAGE_SIZE > 0``): the page id from row ``off_bt`` of the block table (as int64: a page pool may span more
+    than 2^31 elements) and the slot within that page. Contiguous (``PAGE_SIZE == 0``): the cache is one page per batch
+    entry, so the page is ``off_b`` and the slot is ``pos``. The element offset is ``page · stride_page + slot ·
+    stride_slot``; ``mask`` keeps the block-table read inside the sequence.
+    """
+    if PAGE_SIZE > 0:
+        page = tl.load(BLOCK_TABLE + off_bt + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
+        slot = pos % PAGE_SIZE
+    else:
+        page = off_b
+        slot = pos
+    return page, slot

@@ -109,3 +109,69 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
     if dtype == torch.float32:
         return _BWD_FP32_D256 if padded > 128 else _BWD_FP32_SMALL
     return _BWD_CUDA[padded]
+
+
+@dataclass(frozen=True)
+class MergeConfig:
+    block_rows: int  # (query, head) rows per program
+    num_warps: int
+
+
+# Interpreter: one program per batch entry and 64 rows is the fewest Python-level programs for the test shapes.
+_MERGE_INTERPRETER = MergeConfig(block_rows=64, num_warps=4)
+# Provisional and unmeasured: 16 rows x Dv <= 256 float32 accumulators fit 4 warps' registers; decoding (Sq = 1,
+# H = 32) then runs 2 programs per batch entry, and the merge reads only S·B·H·Dv·4 bytes, far less than K and V.
+_MERGE_CUDA = MergeConfig(block_rows=16, num_warps=4)
+
+
+def merge_config(device_type: str) -> MergeConfig:
+    return _MERGE_CUDA if device_type == "cuda" else _MERGE_INTERPRETER
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int  # keys per block
+    block_m: int  # most packed (query, head) rows per program; more rows launch more programs
+    num_warps: int
+    num_stages: int
+
+
+_DECODE_INTERPRETER = DecodeConfig(block_n=32, block_m=64, num_warps=4, num_stages=1)
+
+# Provisional and unmeasured (issue #5's GPU pass measures them with `onlineattn bench decode`): 64-key blocks as in
+# the forward, 32 at d = 256 to leave shared memory for 3 stages; float32 halves the keys per block again.
+_DECODE_HALF = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4, 3), 64: DecodeConfig(64, 64, 4, 3),
+                128: DecodeConfig(64, 64, 4, 3), 256: DecodeConfig(32, 64, 4, 2)}
+_DECODE_FP32 = {16: DecodeConfig(32, 64, 4, 2), 32: DecodeConfig(32, 64, 4, 2), 64: DecodeConfig(32, 64, 4, 2),
+                128: DecodeConfig(32, 64, 4, 2), 256: DecodeConfig(16, 32, 4, 1)}
+
+
+def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str) -> DecodeConfig:
+    if device_type != "cuda":
+        return _DECODE_INTERPRETER
+    table = _DECODE_FP32 if dtype == torch.float32 else _DECODE_HALF
+    return table[_padded(max(head_dim, head_dim_v))]
+
+
+# Split-KV heuristic for num_splits=0. PROVISIONAL AND UNMEASURED: written before any H200 run; the lead measures it
+# on the B x L grid of `onlineattn bench decode` and replaces these reasons with measured ones. The reasoning:
+# - decoding is bandwidth-bound, so what matters is enough programs streaming K/V on every SM; once the grid
+#   (B · Hkv · row blocks) has a program per SM, splitting only adds partial writes and a merge;
+# - below that, split each (sequence, kv head) so the grid reaches about DECODE_TARGET_WAVES programs per SM (the
+#   H200 has 132 SMs; more than one resident program per SM hides load latency);
+# - every split keeps at least DECODE_MIN_BLOCKS_PER_SPLIT key blocks so the per-program prologue and the merge
+#   (S · B · Hq · Dv float32, written and read once) stay small next to the K/V bytes.
+DECODE_TARGET_WAVES = 2
+DECODE_MIN_BLOCKS_PER_SPLIT = 4
+DECODE_MAX_SPLITS = 128
+INTERPRETER_SMS = 8  # a stand-in SM count for CPU tensors under the interpreter
+
+
+def decode_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: int) -> int:
+    """Key chunks per (sequence, kv head) for a grid of ``programs`` per split, keys up to ``max_seqlen_k``."""
+    if programs >= num_sms:
+        return 1
+    blocks = -(-max_seqlen_k // block_n)
+    most = max(1, min(DECODE_MAX_SPLITS, blocks // DECODE_MIN_BLOCKS_PER_SPLIT))
+    wanted = -(-DECODE_TARGET_WAVES * num_sms // max(programs, 1))
+    return max(1, min(most, wanted))

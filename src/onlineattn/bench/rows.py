@@ -1,0 +1,46 @@
+"""What every ``onlineattn bench`` subcommand shares: a row's environment fields, the output options, and the
+JSON-lines file that rows are appended to (ENGINEERING.md section 5; rows are never edited or deleted)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import subprocess
+from pathlib import Path
+
+import torch
+
+DEFAULT_OUT = Path("benchmarks/results/h200.jsonl")
+
+
+def environment(commit: str | None) -> dict:
+    """``date``, ``commit`` (default: ``git rev-parse --short HEAD``), ``gpu``, ``torch`` and ``triton`` of a row."""
+    import triton
+
+    if commit is None:
+        with contextlib.suppress(OSError, subprocess.CalledProcessError):
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+    return {
+        "date": datetime.date.today().isoformat(),
+        "commit": commit or "unknown",
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+
+
+def add_output_options(p) -> None:
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON-lines file the rows are appended to")
+    p.add_argument("--no-write", action="store_true", help="print only")
+    p.add_argument("--commit", default=None, help="commit measured (default: git rev-parse)")
+
+
+def append_rows(out: Path | None, rows) -> None:
+    """Append one JSON line per row to ``out`` (nothing when ``out`` is None, as with ``--no-write``)."""
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")

@@ -1,0 +1,322 @@
+"""Decoding against KV caches (``attention_with_kvcache``): the split-KV Triton kernel, the append kernel and the torch
+path, against the oracle. Without CUDA the kernels run through Triton's interpreter on CPU tensors (fp32 and fp16;
+the interpreter's bf16 dot is wrong); with CUDA they run on the GPU, plus bf16 and large shapes.
+
+The central claim (issue #5): decoding a random sequence token by token after a prefill of any length reproduces
+causal attention over the whole sequence, for contiguous and paged caches (random page tables, page sizes 16 and 256).
+"""
+
+import pytest
+import torch
+
+import onlineattn
+from onlineattn import reference as R
+from onlineattn.ops import _configs as C
+from onlineattn.ops import decode as D
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.gpu
+LAYOUTS = ["contiguous", "paged16", "paged256"]
+
+
+def _name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def _sequence(b, n, hq, hkv, d, dv, dtype, *, seed, q_scale=1.0, device=DEVICE):
+    """Random ``q [B, N, Hq, D]``, ``k [B, N, Hkv, D]``, ``v [B, N, Hkv, Dv]``: the whole sequence to decode."""
+    g = torch.Generator().manual_seed(seed)
+    make = lambda *shape: torch.randn(*shape, generator=g)
+    q = (make(b, n, hq, d) * q_scale).to(device=device, dtype=dtype)
+    return q, make(b, n, hkv, d).to(device, dtype), make(b, n, hkv, dv).to(device, dtype)
+
+
+def _cache(layout, b, capacity, hkv, d, dv, dtype, *, seed, device=DEVICE):
+    """Empty caches for ``b`` sequences of up to ``capacity`` tokens, filled with NaN so that reading a slot that was
+    never written poisons the result. Paged layouts draw a random block table over a pool with spare pages; two
+    extra columns hold -1, which is fine because no sequence reaches them."""
+    nan = lambda *shape: torch.full(shape, float("nan"), dtype=dtype, device=device)
+    if layout == "contiguous":
+        return nan(b, capacity, hkv, d), nan(b, capacity, hkv, dv), None
+    page = int(layout.removeprefix("paged"))
+    per_seq = -(-capacity // page)
+    pool = b * per_seq + 3
+    g = torch.Generator().manual_seed(seed)
+    table = torch.full((b, per_seq + 2), -1, dtype=torch.int32)
+    table[:, :per_seq] = torch.randperm(pool, generator=g)[: b * per_seq].reshape(b, per_seq).int()
+    return nan(pool, page, hkv, d), nan(pool, page, hkv, dv), table.to(device)
+
+
+def _check(o, lse, exact_o, exact_lse, base_o, base_lse, dtype):
+    R.assert_within_rule("o", o, exact_o, base_o, _name(dtype))
+    R.assert_within_rule("lse", lse, exact_lse, base_lse, _name(dtype))
+
+
+def _decode(q, k, v, caches, prefill: int, steps, **kw):
+    """Prefill ``prefill`` tokens in one call, then one call per entry of ``steps`` (its number of tokens: 1 for
+    decoding, more for speculative verification). Returns ``(o [B, N, Hq, Dv], lse [B, Hq, N])`` over all calls."""
+    k_cache, v_cache, table = caches
+    outs, start = [], 0
+    for size in [prefill, *steps]:
+        stop = start + size
+        # alternate the two forms of cache_seqlens: an int, and an int32 tensor
+        lens = start if len(outs) % 2 == 0 else torch.full((q.shape[0],), start, dtype=torch.int32, device=q.device)
+        outs.append(onlineattn.attention_with_kvcache(
+            q[:, start:stop], k_cache, v_cache, k[:, start:stop], v[:, start:stop], cache_seqlens=lens,
+            block_table=table, return_lse=True, **kw,
+        ))
+        start = stop
+    return torch.cat([o for o, _ in outs], dim=1), torch.cat([lse for _, lse in outs], dim=2)
+
+
+CASES = [  # backend, dtype: the interpreter takes fp32/fp16, float64 is the torch path's
+    ("triton", torch.float32), ("triton", torch.float16), ("torch", torch.float64), ("torch", torch.float16),
+]
+if DEVICE == "cuda":
+    CASES += [("triton", torch.bfloat16), ("torch", torch.bfloat16)]
+
+
+@pytest.mark.parametrize("backend,dtype", CASES, ids=lambda x: _name(x) if isinstance(x, torch.dtype) else x)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_token_by_token_decode_reproduces_causal_attention(layout, backend, dtype):
+    """Issue #5's acceptance: prefill, then decode one token at a time (with one 3-token speculative step), and compare
+    every output with causal attention over the whole sequence (section 3 rule)."""
+    prefill = 261 if layout == "paged256" else 37  # past one page of 256; odd lengths
+    steps = [1, 1, 3, 1, 1]
+    n = prefill + sum(steps)
+    b, hq, hkv, d, dv = 2, 6, 2, 40, 24  # GQA 3:1, head dims that are not powers of two, Dv != D
+    q, k, v = _sequence(b, n, hq, hkv, d, dv, dtype, seed=n + len(layout))
+    caches = _cache(layout, b, n + 5, hkv, d, dv, dtype, seed=n)
+    o, lse = _decode(q, k, v, caches, prefill, steps, num_splits=3, backend=backend)
+    _check(o, lse, *R.naive_attention(q, k, v, causal=True, return_lse=True),
+           *R.torch_math_attention(q, k, v, causal=True), dtype)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sequences_of_different_lengths(layout):
+    """Each sequence has its own length (odd ones, 1 and one past a page), decoded in one batch."""
+    lengths = [1, 17, 129, 40] if layout != "paged256" else [1, 257, 100, 17]
+    steps = 3
+    b, hq, hkv, d = len(lengths), 4, 1, 32  # MQA
+    q, k, v = _sequence(b, max(lengths) + steps, hq, hkv, d, d, torch.float16, seed=sum(lengths))
+    caches = _cache(layout, b, max(lengths) + steps, hkv, d, d, torch.float16, seed=1)
+    k_cache, v_cache, table = caches
+    for i, length in enumerate(lengths):  # prefill sequence i alone, through a one-row view of the batch
+        row = slice(i, i + 1)
+        onlineattn.attention_with_kvcache(
+            q[row, :1], k_cache[row] if table is None else k_cache, v_cache[row] if table is None else v_cache,
+            k[row, :length], v[row, :length], cache_seqlens=0, block_table=None if table is None else table[row],
+            backend="triton",
+        )
+    lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    for step in range(steps):
+        index = (lens.long() + step)[:, None, None, None].expand(b, 1, *k.shape[2:])
+        take = lambda x: x.gather(1, index[..., : x.shape[-1]].expand(b, 1, x.shape[2], x.shape[3]))
+        o, lse = onlineattn.attention_with_kvcache(
+            take(q), k_cache, v_cache, take(k), take(v), cache_seqlens=lens + step, block_table=table,
+            num_splits=0 if step == 0 else 4, return_lse=True, backend="triton",
+        )
+        for i, length in enumerate(lengths):  # token length + step of sequence i sees its first length + step + 1
+            stop = length + step + 1
+            qi, ki, vi = q[i : i + 1, stop - 1 : stop], k[i : i + 1, :stop], v[i : i + 1, :stop]
+            _check(o[i : i + 1], lse[i : i + 1], *R.naive_attention(qi, ki, vi, causal=True, return_lse=True),
+                   *R.torch_math_attention(qi, ki, vi, causal=True), torch.float16)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout", ["contiguous", "paged16"])
+def test_one_call_matches_the_oracle(layout, causal, backend):
+    """One call with several query tokens, more than the visible keys for one sequence (its first rows see nothing
+    when causal), against the oracle's ``kvcache_attention``, which also gives the caches after the append."""
+    b, hq, hkv, d, dv, sq, new = 2, 8, 2, 64, 64, 6, 2
+    q, k, v = _sequence(b, sq, hq, hkv, d, dv, torch.float32, seed=3)
+    _, k_new, v_new = _sequence(b, new, hq, hkv, d, dv, torch.float32, seed=4)
+    k_cache, v_cache, table = _cache(layout, b, 50, hkv, d, dv, torch.float32, seed=5)
+    k_cache.normal_(), v_cache.normal_()  # earlier tokens
+    lens = torch.tensor([0, 45], dtype=torch.int32)  # sequence 0: 2 visible keys for 6 queries
+    exact = R.kvcache_attention(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, block_table=table,
+                                causal=causal)
+    o, lse = onlineattn.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens.to(DEVICE),
+                                               block_table=table, causal=causal, return_lse=True, backend=backend)
+    R.assert_within_rule("o", o, exact[0], dtype_name="float32")
+    R.assert_within_rule("lse", lse, exact[1], dtype_name="float32")
+    assert torch.equal(k_cache.double().cpu(), torch.as_tensor(exact[2])), "the append wrote elsewhere"
+    assert torch.equal(v_cache.double().cpu(), torch.as_tensor(exact[3]))
+    if causal:
+        assert torch.all(o[0, :4] == 0) and torch.all(lse[0, :, :4] == float("-inf"))
+
+
+def test_without_new_tokens_the_cache_is_only_read():
+    q, k, v = _sequence(2, 30, 4, 2, 32, 32, torch.float16, seed=6)
+    k_cache, v_cache, table = _cache("paged16", 2, 30, 2, 32, 32, torch.float16, seed=7)
+    onlineattn.attention_with_kvcache(q[:, :1], k_cache, v_cache, k, v, cache_seqlens=0, block_table=table)
+    before = k_cache.clone(), v_cache.clone()
+    o, lse = onlineattn.attention_with_kvcache(q[:, -2:], k_cache, v_cache, cache_seqlens=30, block_table=table,
+                                               return_lse=True, num_splits=2, backend="triton")
+    assert torch.equal(k_cache.nan_to_num(7.0), before[0].nan_to_num(7.0))
+    assert torch.equal(v_cache.nan_to_num(7.0), before[1].nan_to_num(7.0))
+    _check(o, lse, *R.naive_attention(q[:, -2:], k, v, causal=True, return_lse=True),
+           *R.torch_math_attention(q[:, -2:], k, v, causal=True), torch.float16)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
+def test_every_split_is_written_poisoned_outputs(num_splits, monkeypatch):
+    """Outputs and the partial buffers start as NaN; more splits than key blocks leave empty chunks, which must
+    still write (o = 0, lse = -inf) for the merge."""
+    poisoned = lambda *args: tuple(t.fill_(float("nan")) for t in real(*args))
+    real = D._alloc_partials
+    monkeypatch.setattr(D, "_alloc_partials", poisoned)
+    b, sq, hq, hkv, d = 2, 2, 4, 2, 16
+    q, k, v = _sequence(b, 70, hq, hkv, d, d, torch.float32, seed=num_splits)
+    k_cache, v_cache = k.clone(), v.clone()
+    lens = torch.tensor([68, 20], dtype=torch.int32, device=DEVICE)
+    out = torch.full((b, sq, hq, d), float("nan"), device=DEVICE)
+    lse_out = torch.full((b, hq, sq), float("nan"), device=DEVICE)
+    o, lse = D.attention_with_kvcache(q[:, :sq], k_cache, v_cache, None, None, lens, None, d**-0.5, True, num_splits,
+                                      out=out, lse_out=lse_out)
+    exact = R.kvcache_attention(q[:, :sq], k_cache, v_cache, cache_seqlens=lens)
+    R.assert_within_rule("o", o, exact[0], dtype_name="float32")
+    R.assert_within_rule("lse", lse, exact[1], dtype_name="float32")
+
+
+def test_logits_near_fp16_overflow_and_non_contiguous_inputs():
+    """q scaled by 60; q, the caches (every other head, a head-dim slice) and the block table are strided views."""
+    b, n, hq, hkv, d = 2, 50, 8, 2, 32
+    q, k, v = _sequence(b, n, 2 * hq, 2 * hkv, 2 * d, 2 * d, torch.float16, seed=8, q_scale=60.0)
+    q, k, v = q[:, :, ::2, :d], k[:, :, ::2, d:], v[:, :, ::2, :d]
+    k_pool, v_pool, wide_table = _cache("paged16", b, 2 * n, 2 * hkv, 2 * d, 2 * d, torch.float16, seed=9)
+    k_cache, v_cache, table = k_pool[:, :, ::2, :d], v_pool[:, :, 1::2, d:], wide_table[:, ::2]
+    assert not (q.is_contiguous() or k_cache.is_contiguous() or table.is_contiguous())
+    o, lse = _decode(q, k, v, (k_cache, v_cache, table), 45, [1] * 5, num_splits=2, backend="triton")
+    _check(o, lse, *R.naive_attention(q, k, v, causal=True, return_lse=True),
+           *R.torch_math_attention(q, k, v, causal=True), torch.float16)
+
+
+def test_triton_and_torch_appends_write_the_same_slots():
+    b, hkv, d = 3, 2, 24
+    _, k, v = _sequence(b, 9, hkv, hkv, d, d, torch.float32, seed=10)
+    lens = torch.tensor([0, 15, 30], dtype=torch.int32, device=DEVICE)
+    q = torch.zeros(b, 1, hkv, d, device=DEVICE)
+    caches = []
+    for backend in ("triton", "torch"):
+        k_cache, v_cache, table = _cache("paged16", b, 40, hkv, d, d, torch.float32, seed=11)
+        onlineattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table,
+                                          backend=backend)
+        caches.append((k_cache.nan_to_num(-7.0), v_cache.nan_to_num(-7.0)))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    exact = R.kvcache_attention(q, *_cache("paged16", b, 40, hkv, d, d, torch.float32, seed=11)[:2], k, v,
+                                cache_seqlens=lens, block_table=table)
+    assert torch.equal(caches[0][0].cpu(), torch.as_tensor(exact[2]).float().nan_to_num(-7.0))
+
+
+def test_deterministic_bitwise():
+    q, k, v = _sequence(1, 200, 8, 2, 64, 64, torch.float16, seed=12)
+    runs = [onlineattn.attention_with_kvcache(q[:, -1:], k, v, cache_seqlens=200, num_splits=3, return_lse=True,
+                                              backend="triton") for _ in range(2)]
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_split_heuristic():
+    """The provisional rule: no split once the grid has a program per SM, a split count that fills about two waves
+    otherwise, and never chunks shorter than the minimum number of blocks."""
+    sms, block = 132, 64
+    assert C.decode_num_splits(64 * 8, 32768, sms, block) == 1
+    assert C.decode_num_splits(132, 131072, sms, block) == 1
+    assert C.decode_num_splits(16 * 8, 131072, sms, block) == 3
+    assert C.decode_num_splits(8, 131072, sms, block) == 33
+    assert C.decode_num_splits(8, 4096, sms, block) == 4096 // block // C.DECODE_MIN_BLOCKS_PER_SPLIT
+    assert C.decode_num_splits(8, 100, sms, block) == 1
+    assert C.decode_num_splits(1, 10**7, sms, block) == C.DECODE_MAX_SPLITS
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU only: bf16, long caches, the issue's benchmark shapes.
+
+
+def _check_decode_rows(q, k, v, o, lse, lengths, dtype):
+    """Sequence i's ``Sq`` queries are its last tokens: check them against float64 math on the GPU over its first
+    ``lengths[i]`` keys (bottom-right causal)."""
+    for i, length in enumerate(lengths):
+        qi, ki, vi = q[i : i + 1], k[i : i + 1, :length], v[i : i + 1, :length]
+        exact_o, exact_lse = R.torch_math_attention(qi.double(), ki.double(), vi.double(), causal=True)
+        base_o, base_lse = R.torch_math_attention(qi, ki, vi, causal=True)
+        _check(o[i : i + 1], lse[i : i + 1], exact_o, exact_lse, base_o, base_lse, dtype)
+
+
+@gpu
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("num_splits", [0, 1, 7])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("lengths", [[4113, 1, 32768 + 5, 999], [131072]], ids=["ragged", "128k"])
+def test_long_caches_bf16(lengths, layout, num_splits, sq):
+    """Sequences of different lengths (one shorter than the queries: its first rows see nothing), written with the
+    append kernel into NaN-filled caches, then ``sq`` query tokens per sequence into NaN-poisoned outputs."""
+    b, hq, hkv, d = len(lengths), 32, 8, 128
+    _, k, v = _sequence(b, max(lengths), hkv, hkv, d, d, torch.bfloat16, seed=sum(lengths), device="cuda")
+    q = torch.randn(b, sq, hq, d, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache, table = _cache(layout, b, max(lengths), hkv, d, d, torch.bfloat16, seed=13, device="cuda")
+    for i, length in enumerate(lengths):
+        row = slice(i, i + 1)
+        D.cache.append_kv(k_cache[row] if table is None else k_cache, v_cache[row] if table is None else v_cache,
+                          k[row, :length], v[row, :length], torch.zeros(1, dtype=torch.int32, device="cuda"),
+                          None if table is None else table[row])
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    out = torch.full((b, sq, hq, d), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse_out = torch.full((b, hq, sq), float("nan"), device="cuda")
+    o, lse = D.attention_with_kvcache(q, k_cache, v_cache, None, None, lens, table, d**-0.5, True, num_splits,
+                                      out=out, lse_out=lse_out)
+    _check_decode_rows(q, k, v, o, lse, lengths, torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_token_by_token_decode_bf16_gpu(layout):
+    b, hq, hkv, d, prefill, steps = 3, 32, 8, 128, 1000, 48
+    q, k, v = _sequence(b, prefill + steps, hq, hkv, d, d, torch.bfloat16, seed=14, device="cuda")
+    caches = _cache(layout, b, prefill + steps, hkv, d, d, torch.bfloat16, seed=15, device="cuda")
+    o, lse = _decode(q, k, v, caches, prefill, [1] * steps)
+    exact_o, exact_lse = R.torch_math_attention(q.double(), k.double(), v.double(), causal=True)
+    _check(o, lse, exact_o, exact_lse, *R.torch_math_attention(q, k, v, causal=True), torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("b,length", [(1, 4096), (16, 32768), (64, 32768)])
+def test_benchmark_shapes_bf16(b, length):
+    """The bench grid's shapes (Hq 32, Hkv 8, d 128), contiguous, automatic splits; a few sequences checked."""
+    q, k, v = _sequence(b, 1, 32, 8, 128, 128, torch.bfloat16, seed=b, device="cuda")
+    k_cache = torch.randn(b, length, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(b, length, 8, 128, device="cuda", dtype=torch.bfloat16)
+    o, lse = onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=length, return_lse=True)
+    for i in sorted({0, b // 2, b - 1}):
+        _check_decode_rows(q[i : i + 1], k_cache[i : i + 1], v_cache[i : i + 1], o[i : i + 1], lse[i : i + 1],
+                           [length], torch.bfloat16)
+
+
+@gpu
+def test_split_decode_is_deterministic_gpu():
+    q = torch.randn(2, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(2, 65536, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    first = onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=60000, num_splits=16, return_lse=True)
+    for _ in range(20):
+        again = onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=60000, num_splits=16,
+                                                  return_lse=True)
+        assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+
+
+@gpu
+def test_decode_memory_is_only_the_partials():
+    b, length, hq, hkv, d, splits = 4, 65536, 32, 8, 128, 16
+    k_cache = torch.randn(b, length, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(b, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, num_splits=splits, check_indices=False)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - base
+    budget = splits * b * hq * (d + 1) * 4 + b * hq * (d * 2 + 4)  # float32 partials + o + lse
+    assert extra < 2 * budget + 2**20, f"{extra} bytes beyond the inputs, budget {budget}"
