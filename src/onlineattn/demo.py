@@ -168,7 +168,7 @@ def describe(setup: Setup) -> str:
         where = f"cuda ({torch.cuda.get_device_name(setup.device)})"
     else:
         where = f"cpu ({torch.get_num_threads()} threads)"
-    backend = _resolve_backend("auto", torch.empty(0, device=setup.device))
+    backend = _resolve_backend("auto", q=torch.empty(0, device=setup.device))
     shapes = f"q/k/v [B={setup.batch}, N, H={setup.heads}, d={setup.head_dim}]"
     return f"{where}, {dtype}, {shapes}, onlineattn backend: {backend}"
 

@@ -78,7 +78,7 @@ class _Ring:
 
 def _use_triton(q: torch.Tensor) -> bool:
     """Triton for CUDA tensors of a kernel dtype, the torch path otherwise: ``attention``'s ``backend="auto"`` rule."""
-    return _resolve_backend("auto", q) == "triton"
+    return _resolve_backend("auto", q=q) == "triton"
 
 
 def _block_forward(q, k, v, scale: float, causal: bool):
