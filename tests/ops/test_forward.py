@@ -211,3 +211,10 @@ def test_offsets_beyond_int32_are_refused_before_launch():
     lse = torch.empty(1, 8, n, device="meta")
     with pytest.raises(ValueError, match="int32"):
         F.forward(q, q[:, :8], q[:, :8], 0.125, False, out=o, lse_out=lse)
+
+
+def test_no_keys_gives_empty_rows():
+    """Sk = 0 (an empty chunk of a split): every row is empty, and no zero-sized tensor descriptor is built."""
+    q, k, v = _inputs(2, 5, 0, 4, 2, 64, 64, torch.float16, seed=12)
+    o, lse = _run_poisoned(q, k, v, causal=False)
+    assert torch.all(o == 0) and torch.all(lse == float("-inf"))

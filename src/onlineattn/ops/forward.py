@@ -156,6 +156,8 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
         raise ValueError("out and lse_out must be contiguous in their last dim")
     if b * sq * hq == 0:
         return o, lse
+    if k.shape[1] == 0:  # no key at all: every row is empty (and a descriptor cannot have a zero-sized dim)
+        return o.zero_(), lse.fill_(float("-inf"))
     cfg = config or fwd_config(q.shape[3], dv, q.dtype, causal, q.device.type)
     use_tma = cfg.tma and _tma_ok(k, v)
     check_int32_offsets(q=q, o=o, lse=lse, **({} if use_tma else {"k": k, "v": v}))  # descriptors index K/V
