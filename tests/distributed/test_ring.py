@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -332,6 +333,7 @@ def ring_results(tmp_path_factory):
     return get
 
 
+_NUMPY = tuple(int(x) for x in np.__version__.split(".")[:2])
 GOOD = [(w, name) for w in WORLDS for name, s in SPECS[w].items() if not (s.trim or s.per_rank)]
 BAD = [(w, name) for w in WORLDS for name, s in SPECS[w].items() if s.trim or s.per_rank]
 
@@ -339,6 +341,9 @@ BAD = [(w, name) for w in WORLDS for name, s in SPECS[w].items() if s.trim or s.
 @pytest.mark.parametrize("world,name", GOOD, ids=[f"w{w}-{n}" for w, n in GOOD])
 def test_ring_matches_single_process_attention(ring_results, world, name):
     spec = SPECS[world][name]
+    if spec.triton and _NUMPY >= (2, 4):
+        pytest.skip("Triton 3.6's interpreter fails under numpy >= 2.4 (ENGINEERING.md section 4); the GPU test "
+                    "test_one_rank_ring_matches_attention runs the Triton block path on CUDA instead")
     per_rank = [results[name] for results in ring_results(world)]
     for r, res in enumerate(per_rank):
         assert "error" not in res, f"rank {r} raised {res.get('error')}:\n{res.get('traceback')}"
