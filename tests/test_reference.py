@@ -205,3 +205,97 @@ def test_rule_catches_an_error_above_the_bound():
         R.assert_within_rule("x", off, exact, baseline, "float16")
     with pytest.raises(AssertionError, match="NaN"):
         R.assert_within_rule("x", torch.full((8, 8), float("nan")), exact, baseline, "float16")
+
+
+# ---- score variants (issue #6): the hand-written oracle against float64 autograd of torch_math_attention, an
+# independent implementation of the same definitions (onlineattn._mods).
+
+VARIANT_CASES = {  # name: (B, Sq, Sk, Hq, Hkv, keywords)
+    "window": (2, 13, 17, 4, 2, dict(window_size=(3, 2))),
+    "window-causal-masked-rows": (1, 21, 13, 4, 1, dict(causal=True, window_size=(4, -1))),
+    "softcap": (1, 9, 11, 2, 2, dict(softcap=1.5)),
+    "alibi-per-batch": (2, 7, 12, 4, 2, dict(alibi=(2, 4), causal=True)),
+    "bias-broadcast": (2, 9, 10, 4, 2, dict(bias=(2, 1, 1, 10))),
+    "bias-2d": (1, 9, 10, 2, 1, dict(bias=(9, 10))),
+    "sinks-masked-rows": (1, 12, 7, 4, 2, dict(sinks=True, causal=True)),
+    "dropout": (2, 8, 9, 2, 1, dict(dropout_p=0.3)),
+    "everything": (2, 15, 11, 4, 2, dict(causal=True, window_size=(5, 0), softcap=2.0, alibi=(4,), bias=(1, 4, 15, 11),
+                                         sinks=True, dropout_p=0.2)),
+}
+
+
+def _variant_inputs(b, sq, sk, hq, hkv, kw, seed):
+    """float64 leaves and the keywords of one case (the bias and the sinks require grad)."""
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64)
+    q, k, v = (x.requires_grad_() for x in (rand(b, sq, hq, 8), rand(b, sk, hkv, 8), rand(b, sk, hkv, 5)))
+    kw = dict(kw)
+    if "alibi" in kw:
+        kw["alibi_slopes"] = torch.rand(*kw.pop("alibi"), generator=gen, dtype=torch.float64)
+    if "bias" in kw:
+        kw["attn_bias"] = rand(*kw.pop("bias")).requires_grad_()
+    if kw.pop("sinks", False):
+        kw["sinks"] = rand(hq).requires_grad_()
+    if "dropout_p" in kw:
+        kw["dropout_mask"] = torch.rand(b, hq, sq, sk, generator=gen) > kw["dropout_p"]
+    return q, k, v, kw
+
+
+@pytest.mark.parametrize("name", list(VARIANT_CASES))
+def test_variant_oracle_matches_autograd(name):
+    b, sq, sk, hq, hkv, kw = VARIANT_CASES[name]
+    q, k, v, kw = _variant_inputs(b, sq, sk, hq, hkv, kw, seed=len(name))
+    o, lse = R.torch_math_attention(q, k, v, softmax_scale=0.4, **kw)
+    o_exact, lse_exact = R.naive_attention(q, k, v, softmax_scale=0.4, return_lse=True, **kw)
+    _assert_close("o", o_exact, o.detach().numpy(), tol=1e-12)
+    _assert_close("lse", lse_exact, lse.detach().numpy(), tol=1e-12)
+    do = torch.randn(o.shape, dtype=torch.float64)
+    dlse = torch.randn(lse.shape, dtype=torch.float64).masked_fill(torch.isinf(lse), 0.0)
+    ((o * do).sum() + (lse.masked_fill(torch.isinf(lse), 0.0) * dlse).sum()).backward()
+    grads = R.naive_attention_grads(q, k, v, do, softmax_scale=0.4, dlse=dlse, **kw)
+    leaves = {"dq": q, "dk": k, "dv": v, "dbias": kw.get("attn_bias"), "dsinks": kw.get("sinks")}
+    assert set(grads) == {n for n, x in leaves.items() if x is not None}
+    for n, x in leaves.items():
+        if x is not None:
+            _assert_close(n, grads[n], x.grad.numpy(), tol=1e-12)
+
+
+def test_window_semantics():
+    """flash-attn's: keys i + diag - left .. i + diag + right; causal sets right = 0; -1 is unbounded."""
+    assert R.visible_mask(3, 3, False, (0, 0)).tolist() == np.eye(3, dtype=bool).tolist()
+    band = R.visible_mask(2, 4, False, (1, 0))  # diag = 2: row 0 sees keys 1, 2; row 1 sees keys 2, 3
+    assert band.tolist() == [[False, True, True, False], [False, False, True, True]]
+    assert np.array_equal(R.visible_mask(5, 7, True, (2, 3)), R.visible_mask(5, 7, False, (2, 0)))
+    assert np.array_equal(R.visible_mask(5, 7, True, (-1, -1)), R.visible_mask(5, 7, True))
+    assert np.array_equal(R.visible_mask(5, 7, False, (-1, 1)), R.visible_mask(5, 7, False, (9, 1)))
+
+
+def test_sinks_join_the_normaliser_only():
+    """A row with no key gets o = 0 and lse = sink; a very negative sink changes nothing."""
+    rng = np.random.default_rng(3)
+    q, k, v = _qkv(rng, 1, 6, 4, 2, 2, 8, 8)
+    o, lse = R.naive_attention(q, k, v, causal=True, sinks=np.array([0.5, -1.0]), return_lse=True)
+    assert np.all(o[:, :2] == 0) and np.allclose(lse[0, :, :2], [[0.5, 0.5], [-1.0, -1.0]])
+    o0, lse0 = R.naive_attention(q, k, v, causal=True, return_lse=True)
+    o1, lse1 = R.naive_attention(q, k, v, causal=True, sinks=np.full(2, -800.0), return_lse=True)
+    _assert_close("o", o1, o0)
+    _assert_close("lse", lse1[..., 2:], lse0[..., 2:])
+
+
+def test_varlen_oracle_is_attention_per_sequence():
+    rng = np.random.default_rng(4)
+    cu_q, cu_k = np.array([0, 3, 3, 10]), np.array([0, 5, 9, 9])  # the third sequence has queries but no key
+    q, k, v = rng.standard_normal((10, 4, 8)), rng.standard_normal((9, 2, 8)), rng.standard_normal((9, 2, 6))
+    slopes = rng.random((3, 4))
+    o, lse = R.naive_attention_varlen(q, k, v, cu_q, cu_k, causal=True, alibi_slopes=slopes, return_lse=True)
+    assert o.shape == (10, 4, 6) and lse.shape == (4, 10)
+    o1, lse1 = R.naive_attention(q[None, :3], k[None, :5], v[None, :5], causal=True, alibi_slopes=slopes[0],
+                                 return_lse=True)
+    _assert_close("o", o[:3], o1[0])
+    _assert_close("lse", lse[:, :3], lse1[0])
+    assert np.all(o[3:] == 0) and np.all(np.isneginf(lse[:, 3:]))
+    to = lambda *xs: [torch.from_numpy(x) for x in xs]
+    o_t, lse_t = R.torch_math_attention_varlen(*to(q, k, v, cu_q, cu_k), causal=True,
+                                               alibi_slopes=torch.from_numpy(slopes))
+    _assert_close("o (torch math)", o_t.numpy(), o, tol=1e-12)
+    _assert_close("lse (torch math)", lse_t.numpy(), lse, tol=1e-12)

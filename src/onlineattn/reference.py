@@ -5,6 +5,8 @@ Layout follows flash-attn: ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hkv, D]``, ``v [B, 
 
 - causal is aligned bottom-right: query i sees key j when ``j <= i + Sk - Sq``;
 - a query row that sees no key gets ``o = 0`` and ``lse = -inf``;
+- the score variants (window, softcap, ALiBi, additive bias, sinks, dropout given its mask, packed varlen
+  sequences) follow ``onlineattn._mods``;
 - ``softmax_scale=None`` means ``1 / sqrt(D)``;
 - GQA: query head h reads kv head ``h // (Hq // Hkv)``.
 
@@ -23,6 +25,9 @@ import numpy as np
 __all__ = [
     "naive_attention",
     "naive_attention_backward",
+    "naive_attention_grads",
+    "naive_attention_varlen",
+    "naive_attention_varlen_grads",
     "online_attention",
     "online_softmax",
     "merge_states",
@@ -30,6 +35,7 @@ __all__ = [
     "kvcache_attention",
     "visible_mask",
     "torch_math_attention",
+    "torch_math_attention_varlen",
     "error_bound",
     "assert_within_rule",
 ]
@@ -42,13 +48,23 @@ def _f64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-def visible_mask(sq: int, sk: int, causal: bool) -> np.ndarray:
-    """Boolean ``[Sq, Sk]``: True where query i may attend key j (bottom-right causal)."""
-    if not causal:
-        return np.ones((sq, sk), dtype=bool)
+def visible_mask(sq: int, sk: int, causal: bool, window_size=(-1, -1)) -> np.ndarray:
+    """Boolean ``[Sq, Sk]``: True where query i may attend key j.
+
+    Bottom-right aligned: with ``diag = Sk - Sq``, query i sees key j when ``i + diag - left <= j <= i + diag + right``
+    for ``window_size = (left, right)``, where -1 leaves that side unbounded and ``causal`` sets ``right = 0``.
+    """
+    left, right = window_size
+    if causal:
+        right = 0
     i = np.arange(sq)[:, None]
     j = np.arange(sk)[None, :]
-    return j <= i + (sk - sq)
+    visible = np.ones((sq, sk), dtype=bool)
+    if right >= 0:
+        visible &= j <= i + (sk - sq) + right
+    if left >= 0:
+        visible &= j >= i + (sk - sq) - left
+    return visible
 
 
 def _heads_first(q, k, v):
@@ -65,21 +81,68 @@ def _scale(softmax_scale, d: int) -> float:
     return 1.0 / math.sqrt(d) if softmax_scale is None else float(softmax_scale)
 
 
-def _masked_softmax(s: np.ndarray, mask: np.ndarray):
-    """Row softmax of ``s`` over visible entries; returns (p, lse) with p = 0 and lse = -inf on empty rows."""
+def _masked_softmax(s: np.ndarray, mask: np.ndarray, sinks=None):
+    """Row softmax of ``s [B, H, Sq, Sk]`` over visible entries; returns (p, lse) with p = 0 and lse = -inf on empty
+    rows. ``sinks [H]`` joins each row's normaliser with no value (then lse includes it and no row is empty)."""
     s = np.where(mask, s, -np.inf)
     m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
+    sink = None if sinks is None else _f64(sinks).reshape(1, -1, 1, 1)
+    if sink is not None:
+        m = np.maximum(m, sink)
     m_safe = np.where(np.isfinite(m), m, 0.0)
     e = np.exp(s - m_safe)
     l = e.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        l = l + np.exp(sink - m_safe)
     with np.errstate(divide="ignore", invalid="ignore"):
         p = np.where(l > 0, e / np.where(l > 0, l, 1.0), 0.0)
         lse = np.where(l > 0, m_safe + np.log(np.where(l > 0, l, 1.0)), -np.inf)
     return p, lse[..., 0]
 
 
-def naive_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False):
+def _distance(sq: int, sk: int) -> np.ndarray:
+    """ALiBi's ``|i + Sk - Sq - j|`` as ``[Sq, Sk]``: how far key j lies from query i's diagonal."""
+    return np.abs(np.arange(sq)[:, None] + (sk - sq) - np.arange(sk)[None, :]).astype(np.float64)
+
+
+def _alibi(slopes, h: int, sq: int, sk: int) -> np.ndarray:
+    """``-slope · |i + Sk - Sq - j|`` as ``[B or 1, H, Sq, Sk]``; slopes ``[H]`` or ``[B, H]``."""
+    slopes = _f64(slopes)
+    return -slopes.reshape(-1 if slopes.ndim == 2 else 1, h)[:, :, None, None] * _distance(sq, sk)
+
+
+def _logits(qh, kh, scale, softcap=0.0, alibi_slopes=None, attn_bias=None):
+    """Logits ``[B, H, Sq, Sk]`` (natural log) and their derivative with respect to ``scale · q·k`` (softcap's
+    ``1 - tanh²``, else 1). ALiBi and the bias are added after the softcap."""
+    s = np.einsum("bhid,bhjd->bhij", qh, kh) * scale
+    ds_dqk = 1.0
+    if softcap > 0:
+        t = np.tanh(s / softcap)
+        s, ds_dqk = softcap * t, 1.0 - t * t
+    if alibi_slopes is not None:
+        s = s + _alibi(alibi_slopes, *s.shape[1:])
+    if attn_bias is not None:
+        s = s + _f64(attn_bias)
+    return s, ds_dqk
+
+
+def _dropped(p, dropout_p: float, dropout_mask):
+    """``P ∘ Z / (1 - p)`` for the keep mask Z ``[B, H, Sq, Sk]`` (1 = kept); P itself without dropout."""
+    if dropout_p == 0.0:
+        return p
+    if dropout_mask is None:
+        raise ValueError("the oracle needs dropout_mask (onlineattn.dropout.dropout_mask) when dropout_p > 0")
+    return p * _f64(dropout_mask) / (1.0 - dropout_p)
+
+
+def naive_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, attn_bias=None, sinks=None, dropout_p=0.0, dropout_mask=None,
+                    return_lse=False):
     """Textbook attention: materialise the ``[B, H, Sq, Sk]`` scores, softmax, multiply by V.
+
+    The score variants follow ``onlineattn._mods``: ``softcap``, ``alibi_slopes`` (``[Hq]`` or ``[B, Hq]``),
+    ``attn_bias`` (broadcastable to ``[B, Hq, Sq, Sk]``), ``window_size``, ``sinks [Hq]`` and dropout given its keep
+    mask ``dropout_mask [B, Hq, Sq, Sk]``. lse is that of the undropped softmax and includes the sinks.
 
     >>> import numpy as np
     >>> q = np.ones((1, 2, 1, 4)); k = np.ones((1, 3, 1, 4)); v = np.arange(3.0).reshape(1, 3, 1, 1)
@@ -87,34 +150,121 @@ def naive_attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=Fal
     array([0.5, 1. ])
     """
     qh, kh, vh, _ = _heads_first(q, k, v)
-    s = np.einsum("bhid,bhjd->bhij", qh, kh) * _scale(softmax_scale, qh.shape[-1])
-    p, lse = _masked_softmax(s, visible_mask(qh.shape[2], kh.shape[2], causal))
-    o = np.einsum("bhij,bhjd->bhid", p, vh).transpose(0, 2, 1, 3)
+    s, _ = _logits(qh, kh, _scale(softmax_scale, qh.shape[-1]), softcap, alibi_slopes, attn_bias)
+    p, lse = _masked_softmax(s, visible_mask(qh.shape[2], kh.shape[2], causal, window_size), sinks)
+    o = np.einsum("bhij,bhjd->bhid", _dropped(p, dropout_p, dropout_mask), vh).transpose(0, 2, 1, 3)
     return (o, lse) if return_lse else o
 
 
-def naive_attention_backward(q, k, v, do, *, causal=False, softmax_scale=None):
-    """Exact float64 gradients ``(dq, dk, dv)`` of ``sum(naive_attention(q, k, v) * do)``.
+def _sum_to_shape(g: np.ndarray, shape) -> np.ndarray:
+    """Sum ``g [B, H, Sq, Sk]`` over the dims a tensor of ``shape`` broadcasts, giving that shape."""
+    shape4 = (1,) * (4 - len(shape)) + tuple(shape)
+    axes = tuple(d for d in range(4) if shape4[d] == 1 and g.shape[d] != 1)
+    return g.sum(axis=axes, keepdims=True).reshape(shape)
 
-    Written out by hand (P, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P))) so the oracle needs no autograd.
-    GQA gradients of k and v are summed over the query heads of each group.
+
+def naive_attention_grads(q, k, v, do, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                          alibi_slopes=None, attn_bias=None, sinks=None, dropout_p=0.0, dropout_mask=None,
+                          dlse=None):
+    """Exact float64 gradients of ``sum(o * do) + sum(lse * dlse)`` as a dict: ``dq``, ``dk``, ``dv`` and, when
+    those inputs are given, ``dbias`` (summed over the dims the bias broadcasts) and ``dsinks``.
+
+    Written out by hand: ``P``, ``dP = (dO Vᵀ) ∘ Z / (1 - p)`` with dropout, ``delta = rowsum(dO ∘ O) - dlse``,
+    ``dS = P ∘ (dP - delta)`` (the logits' gradient, which is the bias's), then through the softcap
+    (``1 - tanh²``) to q and k. A sink's gradient is ``-Σ_rows exp(sink - lse) · delta``. GQA gradients of k and v
+    are summed over the query heads of each group.
     """
     qh, kh, vh, group = _heads_first(q, k, v)
     doh = _f64(do).transpose(0, 2, 1, 3)
     scale = _scale(softmax_scale, qh.shape[-1])
-    s = np.einsum("bhid,bhjd->bhij", qh, kh) * scale
-    p, _ = _masked_softmax(s, visible_mask(qh.shape[2], kh.shape[2], causal))
-    dv = np.einsum("bhij,bhid->bhjd", p, doh)
-    dp = np.einsum("bhid,bhjd->bhij", doh, vh)
-    ds = p * (dp - (p * dp).sum(axis=-1, keepdims=True))
-    dq = np.einsum("bhij,bhjd->bhid", ds, kh) * scale
-    dk = np.einsum("bhij,bhid->bhjd", ds, qh) * scale
+    s, ds_dqk = _logits(qh, kh, scale, softcap, alibi_slopes, attn_bias)
+    p, lse = _masked_softmax(s, visible_mask(qh.shape[2], kh.shape[2], causal, window_size), sinks)
+    dv = np.einsum("bhij,bhid->bhjd", _dropped(p, dropout_p, dropout_mask), doh)
+    dp = _dropped(np.einsum("bhid,bhjd->bhij", doh, vh), dropout_p, dropout_mask)
+    delta = (p * dp).sum(axis=-1, keepdims=True)  # = rowsum(dO ∘ O)
+    if dlse is not None:
+        delta = delta - _f64(dlse)[..., None]
+    ds = p * (dp - delta)
+    dqk = ds * ds_dqk
+    dq = np.einsum("bhij,bhjd->bhid", dqk, kh) * scale
+    dk = np.einsum("bhij,bhid->bhjd", dqk, qh) * scale
 
     def per_kv_head(g):  # [B, Hq, S, D] -> [B, S, Hkv, D], summed over each group
         b, hq, sl, d = g.shape
         return g.reshape(b, hq // group, group, sl, d).sum(axis=2).transpose(0, 2, 1, 3)
 
-    return dq.transpose(0, 2, 1, 3), per_kv_head(dk), per_kv_head(dv)
+    grads = {"dq": dq.transpose(0, 2, 1, 3), "dk": per_kv_head(dk), "dv": per_kv_head(dv)}
+    if attn_bias is not None:
+        grads["dbias"] = _sum_to_shape(ds, tuple(attn_bias.shape))
+    if sinks is not None:
+        p_sink = np.exp(_f64(sinks)[None, :, None] - lse)
+        grads["dsinks"] = -(p_sink * delta[..., 0]).sum(axis=(0, 2))
+    return grads
+
+
+def naive_attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, **mods):
+    """Exact float64 gradients ``(dq, dk, dv)`` of ``sum(naive_attention(q, k, v) * do)`` (same keywords as
+    ``naive_attention_grads``, which also gives the bias's and the sinks' gradients).
+
+    Written out by hand (P, dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dP ∘ P))) so the oracle needs no autograd.
+    GQA gradients of k and v are summed over the query heads of each group.
+    """
+    grads = naive_attention_grads(q, k, v, do, causal=causal, softmax_scale=softmax_scale, **mods)
+    return grads["dq"], grads["dk"], grads["dv"]
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k):
+    """``(b, slice of q rows, slice of k rows)`` per sequence of a packed batch."""
+    cu_q, cu_k = _ints(cu_seqlens_q), _ints(cu_seqlens_k)
+    return [(b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])) for b in range(len(cu_q) - 1)]
+
+
+def _per_sequence(b, rows_q, rows_k, alibi_slopes, dropout_mask):
+    """The keywords of sequence b: its ALiBi row and its corner of the padded dropout mask."""
+    kw = {}
+    if alibi_slopes is not None:
+        slopes = _f64(alibi_slopes)
+        kw["alibi_slopes"] = slopes[b] if slopes.ndim == 2 else slopes
+    if dropout_mask is not None:
+        lq, lk = rows_q.stop - rows_q.start, rows_k.stop - rows_k.start
+        kw["dropout_mask"] = _f64(dropout_mask)[b : b + 1, :, :lq, :lk]
+    return kw
+
+
+def naive_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_mask=None,
+                           return_lse=False, **kw):
+    """Packed sequences: ``q [total_q, Hq, D]``, ``k [total_k, Hkv, D]``, ``v [total_k, Hkv, Dv]``; sequence b holds
+    rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` and is attended on its own (its own bottom-right diagonal).
+
+    ``alibi_slopes`` is ``[Hq]`` or ``[n_seqs, Hq]``; ``dropout_mask`` is padded ``[n_seqs, Hq, max_q, max_k]``,
+    each sequence using its top-left corner. Returns ``o [total_q, Hq, Dv]`` and ``lse [Hq, total_q]``, float64.
+    """
+    q, k, v = _f64(q), _f64(k), _f64(v)
+    o = np.zeros(q.shape[:2] + (v.shape[-1],))
+    lse = np.full((q.shape[1], q.shape[0]), -np.inf)
+    for b, rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        o_b, lse_b = naive_attention(q[None, rq], k[None, rk], v[None, rk], return_lse=True,
+                                     **_per_sequence(b, rq, rk, alibi_slopes, dropout_mask), **kw)
+        o[rq], lse[:, rq] = o_b[0], lse_b[0]
+    return (o, lse) if return_lse else o
+
+
+def naive_attention_varlen_grads(q, k, v, do, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_mask=None,
+                                 dlse=None, **kw):
+    """Gradients of ``naive_attention_varlen`` as ``naive_attention_grads`` gives them, over packed rows (``dlse``
+    ``[Hq, total_q]``); ``dsinks`` is summed over every sequence."""
+    q, k, v, do = _f64(q), _f64(k), _f64(v), _f64(do)
+    grads = {"dq": np.zeros_like(q), "dk": np.zeros_like(k), "dv": np.zeros_like(v)}
+    for b, rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        g = naive_attention_grads(q[None, rq], k[None, rk], v[None, rk], do[None, rq],
+                                  dlse=None if dlse is None else _f64(dlse)[None, :, rq],
+                                  **_per_sequence(b, rq, rk, alibi_slopes, dropout_mask), **kw)
+        grads["dq"][rq], grads["dk"][rk], grads["dv"][rk] = g["dq"][0], g["dk"][0], g["dv"][0]
+        if "dsinks" in g:
+            grads["dsinks"] = grads.get("dsinks", 0.0) + g["dsinks"]
+    if kw.get("sinks") is not None and "dsinks" not in grads:
+        grads["dsinks"] = np.zeros(_f64(kw["sinks"]).shape)
+    return grads
 
 
 def online_softmax(x, block: int = 64) -> np.ndarray:
@@ -247,23 +397,60 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
 # Same-dtype baseline and the error rule (ENGINEERING.md section 3). These need torch, imported lazily.
 
 
-def torch_math_attention(q, k, v, *, causal=False, softmax_scale=None):
+def torch_math_attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None, attn_bias=None, sinks=None, dropout_p=0.0, dropout_mask=None):
     """Textbook attention in torch, computed in the inputs' own dtype: the baseline of the error rule.
 
-    Returns ``(o [B, Sq, Hq, Dv], lse [B, Hq, Sq])``, both in the input dtype. Differentiable.
+    Takes ``naive_attention``'s keywords (``alibi_slopes``, ``attn_bias`` and ``sinks`` are converted to q's dtype,
+    so they get gradients in that dtype when they require them). Returns ``(o [B, Sq, Hq, Dv], lse [B, Hq, Sq])``,
+    both in the input dtype. Differentiable.
     """
     import torch
 
     group = q.shape[2] // k.shape[2]
+    sq, sk = q.shape[1], k.shape[1]
     qh = q.transpose(1, 2)
     kh = k.transpose(1, 2).repeat_interleave(group, dim=1)
     vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
     s = torch.matmul(qh, kh.transpose(-1, -2)) * _scale(softmax_scale, q.shape[-1])
-    mask = torch.as_tensor(visible_mask(q.shape[1], k.shape[1], causal), device=q.device)
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        distance = torch.as_tensor(_distance(sq, sk), device=q.device).to(q.dtype)
+        slopes = alibi_slopes.to(q.dtype).reshape(-1 if alibi_slopes.dim() == 2 else 1, q.shape[2], 1, 1)
+        s = s - slopes * distance
+    if attn_bias is not None:
+        s = s + attn_bias.to(q.dtype)
+    mask = torch.as_tensor(visible_mask(sq, sk, causal, window_size), device=q.device)
     s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # one more column that joins the normaliser and is dropped from P
+        s = torch.cat([s, sinks.to(q.dtype).reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # empty rows: softmax gives NaN, the contract says 0
+    if sinks is not None:
+        p = p[..., :-1]
+    if dropout_p > 0:
+        p = p * torch.as_tensor(dropout_mask, device=q.device).to(q.dtype) / (1.0 - dropout_p)
     return torch.matmul(p, vh).transpose(1, 2), lse
+
+
+def torch_math_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_mask=None, **kw):
+    """``torch_math_attention`` over packed sequences, as ``naive_attention_varlen``: ``(o [total_q, Hq, Dv],
+    lse [Hq, total_q])`` in the inputs' dtype, differentiable."""
+    import torch
+
+    os, lses = [], []
+    for b, rq, rk in _sequences(cu_seqlens_q, cu_seqlens_k):
+        per = {}
+        if alibi_slopes is not None:
+            per["alibi_slopes"] = alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes
+        if dropout_mask is not None:
+            lq, lk = rq.stop - rq.start, rk.stop - rk.start
+            per["dropout_mask"] = torch.as_tensor(dropout_mask)[b : b + 1, :, :lq, :lk]
+        o, lse = torch_math_attention(q[None, rq], k[None, rk], v[None, rk], **per, **kw)
+        os.append(o[0])
+        lses.append(lse[0])
+    return torch.cat(os), torch.cat(lses, dim=-1)
 
 
 _QUANTUM = {"float16": 2.0**-10, "bfloat16": 2.0**-7, "float32": 2.0**-23, "float64": 2.0**-52}
