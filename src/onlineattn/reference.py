@@ -425,8 +425,12 @@ def torch_math_attention(q, k, v, *, causal=False, softmax_scale=None, window_si
     s = s.masked_fill(~mask, float("-inf"))
     if sinks is not None:  # one more column that joins the normaliser and is dropped from P
         s = torch.cat([s, sinks.to(q.dtype).reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # empty rows: softmax gives NaN, the contract says 0
+    # Rows with no finite logit (masked, or hidden by a -inf bias) get lse = -inf and P = 0; they are zeroed before
+    # logsumexp and softmax so that no NaN reaches the gradients through them.
+    empty = torch.isneginf(s).all(dim=-1, keepdim=True)
+    s = s.masked_fill(empty, 0.0)
+    lse = torch.logsumexp(s, dim=-1).masked_fill(empty[..., 0], float("-inf"))
+    p = torch.softmax(s, dim=-1).masked_fill(empty, 0.0)
     if sinks is not None:
         p = p[..., :-1]
     if dropout_p > 0:
