@@ -64,24 +64,14 @@ def test_defaults_accepted_explicitly():
     assert torch.equal(got, want)
 
 
-NOT_YET = {
-    "window_size": (4, 0),
-    "softcap": 30.0,
-    "alibi_slopes": torch.ones(4),
-    "dropout_p": 0.1,
-    "attn_bias": torch.zeros(1, 4, 9, 13),
-    "sinks": torch.zeros(4),
-}
-
-
-@pytest.mark.parametrize("keyword", list(NOT_YET))
-def test_not_yet_keywords_raise_naming_the_issue(keyword):
+@pytest.mark.parametrize("keyword,value", [("window_size", (4, 0)), ("softcap", 30.0), ("alibi_slopes", torch.ones(4))])
+def test_kvcache_refuses_score_variants_naming_them(keyword, value):
+    """Decoding has no score variants: flash-attn's keywords are accepted at their defaults only."""
     gen = torch.Generator().manual_seed(3)
-    q, k, v = _qkv(gen)
-    with pytest.raises(NotImplementedError) as info:
-        onlineattn.attention(q, k, v, **{keyword: NOT_YET[keyword]})
-    msg = str(info.value)
-    assert keyword in msg and re.search(r"issue #?\d+", msg), msg
+    q, k_cache, v_cache, _, _ = _decode_inputs(gen)
+    with pytest.raises(NotImplementedError, match=keyword):
+        onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, **{keyword: value})
+    onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=4, window_size=[-1, -1], softcap=0)
 
 
 # ---- merge_states (torch) ------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Each check raises ``TypeError`` (wrong kind of thing) or ``ValueError`` (right kind, wrong value), names the argument
 and says what was expected and what came. Nothing here touches tensor data, so checks cost no device work, except
-``check_kvcache_indices``, which reads the cache lengths and the block table (one device-to-host copy).
+``check_kvcache_indices``, which reads the cache lengths and the block table, and ``check_varlen``, which reads the
+``cu_seqlens`` offsets (one device-to-host copy each).
 """
 
 from __future__ import annotations
@@ -102,8 +103,8 @@ def check_backend(backend) -> str:
     return check_choice("backend", backend, BACKENDS)
 
 
-def check_not_yet(name: str, value, default, issue: int) -> None:
-    """Reject a keyword whose feature has not landed yet (it is tracked by ``issue``).
+def check_unsupported(name: str, value, default, reason: str) -> None:
+    """Reject a keyword that an entry point accepts only at its default (``reason`` completes "is not supported").
 
     Only plain Python values can equal the default; a tensor or array is rejected without comparing it (its ``==``
     is elementwise), and the message names its type, not its contents.
@@ -112,8 +113,118 @@ def check_not_yet(name: str, value, default, issue: int) -> None:
         return
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool) and value == default:
         return
+    if isinstance(default, tuple) and isinstance(value, list) and tuple(value) == default:
+        return
     shown = f"a {type(value).__name__}" if hasattr(value, "shape") else repr(value)
-    raise NotImplementedError(f"{name}={shown} is not supported yet (tracked by issue #{issue})")
+    raise NotImplementedError(f"{name}={shown} is not supported {reason}")
+
+
+def check_not_yet(name: str, value, default, issue: int) -> None:
+    """Reject a keyword whose feature has not landed yet (it is tracked by ``issue``)."""
+    check_unsupported(name, value, default, f"yet (tracked by issue #{issue})")
+
+
+# ---- score variants (issue #6) -------------------------------------------------------------------------------------
+
+
+def check_window(window_size) -> tuple[int, int]:
+    """``(left, right)``: two ints, each -1 (unbounded) or >= 0."""
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    for side, x in zip(("left", "right"), window_size):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise TypeError(f"window_size's {side} side must be an int, got {type(x).__name__}")
+        if x < -1:
+            raise ValueError(f"window_size's {side} side must be -1 (unbounded) or >= 0, got {x}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def check_nonnegative_float(name: str, value, *, below_one: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (below_one and value >= 1):
+        raise ValueError(f"{name} must be finite and in [0, {'1)' if below_one else 'inf)'}, got {value}")
+    return float(value)
+
+
+def _check_float_tensor(name: str, x, shapes: list[tuple[int, ...]], device) -> None:
+    check_tensor(name, x)
+    if tuple(x.shape) not in shapes:
+        wanted = " or ".join(str(s) for s in shapes)
+        raise ValueError(f"{name} must have shape {wanted}, got {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} must be on q's device {device}, got {x.device}")
+
+
+def check_alibi_slopes(slopes, batch: int, heads_q: int, device) -> None:
+    """``[Hq]`` or ``[B, Hq]`` on q's device; slopes get no gradient (as in flash-attn)."""
+    _check_float_tensor("alibi_slopes", slopes, [(heads_q,), (batch, heads_q)], device)
+    if torch.is_grad_enabled() and slopes.requires_grad:
+        raise NotImplementedError("alibi_slopes has no gradient in onlineattn (fixed slopes, as in flash-attn); "
+                                  "pass alibi_slopes.detach(), or an attn_bias, which has one")
+
+
+def check_sinks(sinks, heads_q: int, device) -> None:
+    _check_float_tensor("sinks", sinks, [(heads_q,)], device)
+
+
+def check_attn_bias(bias, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, device) -> None:
+    """Broadcastable to ``[B, Hq, Sq, Sk]``: at most 4 dims, each 1 or the full size (counted from the right)."""
+    check_tensor("attn_bias", bias)
+    full = (batch, heads_q, seqlen_q, seqlen_k)
+    if bias.dim() > 4 or any(n not in (1, want) for n, want in zip(reversed(bias.shape), reversed(full))):
+        raise ValueError(f"attn_bias of shape {tuple(bias.shape)} does not broadcast to (B, Hq, Sq, Sk) = {full}: "
+                         "each of its dims (counted from the right) must be 1 or the full size")
+    if bias.device != device:
+        raise ValueError(f"attn_bias must be on q's device {device}, got {bias.device}")
+
+
+@dataclass(frozen=True)
+class VarlenDims:
+    """Sizes of one ``attention_varlen`` call: ``batch`` sequences, packed ``total_q`` / ``total_k`` tokens."""
+
+    batch: int
+    total_q: int
+    total_k: int
+    dims: Dims  # as check_qkv gives them for the packed tensors viewed as one batch entry
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> VarlenDims:
+    """Packed q ``[total_q, Hq, D]``, k ``[total_k, Hkv, D]``, v ``[total_k, Hkv, Dv]``; int32 ``cu_seqlens`` of
+    ``B + 1`` offsets on q's device, starting at 0, non-decreasing, ending at the totals; ``max_seqlen_*`` at least
+    every sequence's length (the kernels' grid is sized by them). Reads the offsets back to the host once."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(name, x, ndim=3)
+    dims = check_qkv(q[None], k[None], v[None])
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        check_tensor(name, cu, ndim=1, dtypes=(torch.int32,))
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+        if cu.shape[0] == 0:
+            raise ValueError(f"{name} must hold B + 1 offsets (at least the leading 0), got an empty tensor")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have one length (B + 1), got {cu_seqlens_q.shape[0]} "
+                         f"and {cu_seqlens_k.shape[0]}")
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    offsets = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()
+    for name, cu, total, max_len, given in (
+        ("cu_seqlens_q", offsets[0], q.shape[0], "max_seqlen_q", max_seqlen_q),
+        ("cu_seqlens_k", offsets[1], k.shape[0], "max_seqlen_k", max_seqlen_k),
+    ):
+        if cu[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {cu[0]}")
+        lengths = [b - a for a, b in zip(cu, cu[1:])]
+        if any(n < 0 for n in lengths):
+            i = next(i for i, n in enumerate(lengths) if n < 0)
+            raise ValueError(f"{name} must be non-decreasing: {name}[{i + 1}] = {cu[i + 1]} < {name}[{i}] = {cu[i]}")
+        if cu[-1] != total:
+            raise ValueError(f"{name}[-1] must equal the packed length {total} (dim 0 of "
+                             f"{'q' if name.endswith('q') else 'k'}), got {cu[-1]}")
+        if lengths and given < max(lengths):
+            raise ValueError(f"{max_len} = {given} is less than the longest sequence, {max(lengths)} tokens")
+    return VarlenDims(cu_seqlens_q.shape[0] - 1, q.shape[0], k.shape[0], dims)
 
 
 def check_states(o_a, lse_a, o_b, lse_b) -> None:

@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
 from . import _validate as V
-from . import torch_impl
+from . import dropout, torch_impl
+from ._mods import PLAIN, Mods
 
 
 def _triton_forward_available() -> bool:
@@ -63,6 +65,7 @@ def attention(
     deterministic=True,
     return_lse=False,
     backend="auto",
+    generator=None,
 ):
     """Exact softmax attention, ``softmax(q kᵀ · scale) v``, without materialising the scores.
 
@@ -72,13 +75,28 @@ def attention(
         v: ``[batch, seqlen_k, heads_kv, head_dim_v]``.
         causal: bottom-right aligned: query i sees key j when ``j <= i + seqlen_k - seqlen_q``.
         softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        window_size: ``(left, right)``: query i sees keys ``i + Sk - Sq - left ... i + Sk - Sq + right``; -1 leaves a
+            side unbounded; ``causal`` sets ``right = 0`` (flash-attn's meaning). Blocks outside are skipped.
+        softcap: when > 0, scores become ``softcap · tanh(scores / softcap)`` (before ALiBi, bias and masking).
+        alibi_slopes: ``[heads_q]`` or ``[batch, heads_q]``: adds ``-slope · |i + Sk - Sq - j|``. No gradient.
+        dropout_p: probability of zeroing each attention probability (kept ones scaled by ``1 / (1 - p)``); the mask
+            comes from a Philox stream seeded from ``generator`` or the default generator of q's device
+            (``torch.manual_seed``), regenerated in the backward, never stored (``onlineattn.dropout``).
+        attn_bias: added to the scores; broadcastable to ``[batch, heads_q, seqlen_q, seqlen_k]`` (for example
+            ``[1, heads_q, seqlen_q, seqlen_k]`` or ``[batch, 1, 1, seqlen_k]``); read tile by tile, never expanded.
+            It gets a gradient (summed over its broadcast dims) when it requires one.
+        sinks: ``[heads_q]``: one logit per head that joins the softmax's normaliser with no value (gpt-oss). It gets
+            a gradient; lse includes it.
+        deterministic: accepted for flash-attn compatibility; every backward here is deterministic.
         return_lse: also return the log-sum-exp of the scaled scores (natural log).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        generator: a ``torch.Generator`` for dropout's seed (on q's device type).
 
     Returns:
         ``o [batch, seqlen_q, heads_q, head_dim_v]`` in q's dtype, and with ``return_lse`` also
         ``lse [batch, heads_q, seqlen_q]`` in float32 (float64 for float64 inputs). A row that sees no key has
-        ``o = 0`` and ``lse = -inf``. Differentiable with respect to q, k and v (and through lse).
+        ``o = 0`` and ``lse = -inf`` (``lse = sink`` with sinks). Differentiable with respect to q, k and v (and
+        through lse), and attn_bias and sinks.
 
     Example:
         >>> import torch, onlineattn
@@ -86,26 +104,109 @@ def attention(
         >>> o, lse = onlineattn.attention(q, k, v, causal=True, return_lse=True)
         >>> o.shape, lse.shape
         (torch.Size([2, 5, 4, 16]), torch.Size([2, 4, 5]))
+        >>> onlineattn.attention(q, k, v, causal=True, window_size=(2, 0), softcap=30.0, sinks=torch.zeros(4)).shape
+        torch.Size([2, 5, 4, 16])
     """
     dims = V.check_qkv(q, k, v)
     scale = V.check_scale(softmax_scale, dims.head_dim)
     causal = V.check_bool("causal", causal)
     return_lse = V.check_bool("return_lse", return_lse)
     V.check_bool("deterministic", deterministic)
-    window_size = tuple(window_size) if isinstance(window_size, (tuple, list)) else window_size
-    V.check_not_yet("window_size", window_size, (-1, -1), issue=6)
-    V.check_not_yet("softcap", softcap, 0.0, issue=6)
-    V.check_not_yet("alibi_slopes", alibi_slopes, None, issue=6)
-    V.check_not_yet("dropout_p", dropout_p, 0.0, issue=6)
-    V.check_not_yet("attn_bias", attn_bias, None, issue=6)
-    V.check_not_yet("sinks", sinks, None, issue=6)
     backend = _resolve_backend(backend, q=q)
+    mods = _mods(q, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k, window_size, softcap, alibi_slopes,
+                 dropout_p, attn_bias, sinks, generator)
+    return _dispatch(backend, q, k, v, scale, causal, mods, return_lse)
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal=False,
+    softmax_scale=None,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    dropout_p=0.0,
+    attn_bias=None,
+    sinks=None,
+    deterministic=True,
+    return_lse=False,
+    backend="auto",
+    generator=None,
+):
+    """Attention over a batch of sequences of different lengths, packed without padding (flash-attn's varlen).
+
+    Args:
+        q: ``[total_q, heads_q, head_dim]``: the queries of every sequence, one after another.
+        k: ``[total_k, heads_kv, head_dim]``; v: ``[total_k, heads_kv, head_dim_v]``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]`` on q's device: sequence b holds rows
+            ``cu_seqlens[b]:cu_seqlens[b + 1]``. They start at 0, never decrease and end at total_q / total_k; a
+            sequence may be empty. Checked on the host (one device-to-host copy).
+        max_seqlen_q, max_seqlen_k: at least the longest sequence (the kernels' grid is sized by them).
+        Other keywords: as ``attention``, each sequence attended on its own, bottom-right aligned with its own
+        lengths (``alibi_slopes`` may be ``[batch, heads_q]``). ``attn_bias`` is not supported here.
+
+    Returns:
+        ``o [total_q, heads_q, head_dim_v]``, and with ``return_lse`` also ``lse [heads_q, total_q]``.
+
+    Example:
+        >>> import torch, onlineattn
+        >>> cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)  # lengths 3, 0 and 5
+        >>> q, k, v = (torch.randn(8, 2, 16) for _ in range(3))
+        >>> o = onlineattn.attention_varlen(q, k, v, cu, cu, 5, 5, causal=True)
+        >>> torch.allclose(o[3:], onlineattn.attention(q[None, 3:], k[None, 3:], v[None, 3:], causal=True)[0])
+        True
+    """
+    vd = V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    scale = V.check_scale(softmax_scale, vd.dims.head_dim)
+    causal = V.check_bool("causal", causal)
+    return_lse = V.check_bool("return_lse", return_lse)
+    V.check_bool("deterministic", deterministic)
+    if attn_bias is not None:
+        raise NotImplementedError("attn_bias is not supported with attention_varlen: a bias over packed sequences "
+                                  "has no single (B, H, Sq, Sk) layout; use attention() per sequence or ALiBi")
+    backend = _resolve_backend(backend, q=q)
+    mods = _mods(q, vd.batch, vd.dims.heads_q, max_seqlen_q, max_seqlen_k, window_size, softcap, alibi_slopes,
+                 dropout_p, None, sinks, generator)
+    mods = replace(mods, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                   max_seqlen_k=max_seqlen_k)
+    return _dispatch(backend, q, k, v, scale, causal, mods, return_lse)
+
+
+def _mods(q, batch, heads_q, seqlen_q, seqlen_k, window_size, softcap, alibi_slopes, dropout_p, attn_bias, sinks,
+          generator) -> Mods:
+    """Check the variant keywords and gather them (drawing dropout's seed) into a ``Mods``; PLAIN when unused."""
+    left, right = V.check_window(window_size)
+    softcap = V.check_nonnegative_float("softcap", softcap)
+    dropout_p = V.check_nonnegative_float("dropout_p", dropout_p, below_one=True)
+    if alibi_slopes is not None:
+        V.check_alibi_slopes(alibi_slopes, batch, heads_q, q.device)
+    if attn_bias is not None:
+        V.check_attn_bias(attn_bias, batch, heads_q, seqlen_q, seqlen_k, q.device)
+    if sinks is not None:
+        V.check_sinks(sinks, heads_q, q.device)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    rng = dropout.draw_rng_state(generator, q.device) if dropout_p > 0 else None
+    tensors = (alibi_slopes, attn_bias, sinks, rng)
+    if (left, right) == (-1, -1) and softcap == 0 and all(x is None for x in tensors):
+        return PLAIN  # the plain path, exactly as before the variants
+    return Mods(left, right, softcap, alibi_slopes, attn_bias, sinks, dropout_p, rng)
+
+
+def _dispatch(backend, q, k, v, scale, causal, mods, return_lse):
     if backend == "triton":
         from .ops import forward as triton_forward
 
-        o, lse = triton_forward.attention(q, k, v, scale, causal)
+        o, lse = triton_forward.attention(q, k, v, scale, causal, mods)
     else:
-        o, lse = torch_impl.attention(q, k, v, scale, causal)
+        o, lse = torch_impl.attention(q, k, v, scale, causal, mods)
     return (o, lse) if return_lse else o
 
 
@@ -194,6 +295,9 @@ def attention_with_kvcache(
     return_lse=False,
     check_indices=True,
     backend="auto",
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
 ):
     """Attention of new queries over a KV cache, appending new keys and values in place (flash-attn's
     ``flash_attn_with_kvcache``). Not differentiable: it is meant for inference.
@@ -220,6 +324,8 @@ def attention_with_kvcache(
             runs (one device-to-host copy). Pass False only where the caller guarantees them, as ``onlineattn.cache``
             does: an out-of-range value is then undefined behaviour.
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        window_size, softcap, alibi_slopes: flash-attn's keywords, accepted only at their defaults here (decoding has
+            no score variants yet); any other value raises ``NotImplementedError``.
 
     Returns:
         ``o [batch, seqlen_q, heads_q, head_dim_v]`` in q's dtype, and with ``return_lse`` also
@@ -236,6 +342,10 @@ def attention_with_kvcache(
         >>> torch.equal(k_cache[0, 10], k[0, 0]) and torch.equal(k_cache[1, 3], k[1, 0])
         True
     """
+    for name, value, default in (("window_size", window_size, (-1, -1)), ("softcap", softcap, 0.0),
+                                 ("alibi_slopes", alibi_slopes, None)):
+        V.check_unsupported(name, value, default, "by attention_with_kvcache (decoding has no score variants); "
+                            "attention() takes it over the cached keys")
     dims = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     scale = V.check_scale(softmax_scale, dims.head_dim)
     causal = V.check_bool("causal", causal)

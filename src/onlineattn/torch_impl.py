@@ -16,9 +16,10 @@ without copying K or V. Half-precision inputs are computed in float32; float64 s
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import torch
+
+from . import dropout
+from ._mods import MOD_SCHEMA, PLAIN, UNBOUNDED, Mods, bias_4d
 
 LOG2E = math.log2(math.e)
 DEFAULT_BLOCK = 256  # keys per tile: big enough to amortise Python overhead, small enough to keep temporaries O(N)
@@ -44,35 +45,95 @@ def _ungrouped(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(b, hkv * g, s, d).transpose(1, 2)
 
 
-def _tiles(sq: int, sk: int, causal: bool, chunk: int, block: int, keys_outer: bool, device):
+def _tiles(sq: int, sk: int, band, chunk: int, block: int, keys_outer: bool, device):
     """Yield ``(i0, i1, j0, j1, mask)`` per tile of query rows ``[i0, i1)`` and keys ``[j0, j1)`` that some row sees.
 
-    Tiles lie on a fixed grid, query chunks outer unless ``keys_outer``. With bottom-right causal masking (row i sees
-    keys j <= i + Sk - Sq) tiles wholly above the diagonal are skipped, and ``mask`` (True = hidden) is built only
-    for tiles that cross it; otherwise it is None.
+    Tiles lie on a fixed grid, query chunks outer unless ``keys_outer``. ``band = (left, right)`` keeps key j for
+    query i when ``i + diag - left <= j <= i + diag + right`` (``diag = Sk - Sq``; causal is ``(UNBOUNDED, 0)``);
+    None keeps every key. Tiles wholly outside the band are skipped, and ``mask`` (True = hidden) is built only for
+    tiles that cross an edge of it; otherwise it is None.
     """
-    offset = sk - sq
+    diag = sk - sq
     rows = [(i0, min(i0 + chunk, sq)) for i0 in range(0, sq, chunk)]
     cols = [(j0, min(j0 + block, sk)) for j0 in range(0, sk, block)]
     pairs = ((r, c) for c in cols for r in rows) if keys_outer else ((r, c) for r in rows for c in cols)
-    masks = {}  # on a regular grid most diagonal tiles share one mask
+    masks = {}  # on a regular grid most edge tiles share one mask
     for (i0, i1), (j0, j1) in pairs:
-        if not causal:
+        if band is None:
             yield i0, i1, j0, j1, None
-        elif j0 <= i1 - 1 + offset:  # the last row sees the first key
-            mask = None
-            if j1 - 1 > i0 + offset:  # the first row misses the last key
-                key = (j0 - i0 - offset, i1 - i0, j1 - j0)
-                if key not in masks:
-                    r = torch.arange(i1 - i0, device=device)[:, None]
-                    masks[key] = torch.arange(j1 - j0, device=device)[None, :] > r - key[0]
-                mask = masks[key]
-            yield i0, i1, j0, j1, mask
+            continue
+        lo, hi = diag - band[0], diag + band[1]  # the band's range of j - i
+        if j0 - (i1 - 1) > hi or (j1 - 1) - i0 < lo:  # the tile's range of j - i misses the band
+            continue
+        mask = None
+        if (j1 - 1) - i0 > hi or j0 - (i1 - 1) < lo:
+            key = (j0 - i0, i1 - i0, j1 - j0)
+            if key not in masks:
+                d = torch.arange(j1 - j0, device=device)[None, :] - torch.arange(i1 - i0, device=device)[:, None]
+                d += key[0]
+                masks[key] = (d > hi) | (d < lo)
+            mask = masks[key]
+        yield i0, i1, j0, j1, mask
 
 
-def forward(q, k, v, scale: float, causal: bool, block: int = DEFAULT_BLOCK):
+class _TileMods:
+    """The score variants (``onlineattn._mods``) on the torch path's tiles ``[B, Hkv, G, rows, keys]``, whose scores
+    are in the log2 domain (``x = logit · log2 e``). ``seq_index`` is the varlen sequence a one-entry batch is."""
+
+    def __init__(self, mods: Mods, q, k, cdt, seq_index=None):
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        self.shape, self.cdt, self.diag, self.device = (b, hkv, hq // hkv), cdt, sk - sq, q.device
+        self.softcap, self.dropout_p, self.rng = mods.softcap, mods.dropout_p, mods.rng
+        self.slopes = self.bias = None
+        if mods.alibi_slopes is not None:  # [B or 1, Hkv, G, 1, 1], in the log2 domain
+            self.slopes = (mods.alibi_slopes.to(cdt) * LOG2E).reshape(-1, hkv, hq // hkv)[..., None, None]
+        if mods.attn_bias is not None:  # a broadcast view, never materialised
+            self.bias = bias_4d(mods.attn_bias).expand(b, hq, sq, sk).reshape(b, hkv, hq // hkv, sq, sk)
+        first = 0 if seq_index is None else seq_index
+        self.batch = torch.arange(first, first + b, device=q.device)[:, None, None, None, None]
+        self.heads = torch.arange(hq, device=q.device).reshape(1, hkv, hq // hkv, 1, 1)
+        self.heads_q = hq
+
+    def apply(self, s, i0, i1, j0, j1):
+        """Softcap, ALiBi and bias on the scores ``s`` of tile ``[i0, i1) × [j0, j1)``, in place. Returns the
+        softcap's ``tanh`` (its derivative is ``1 - tanh²``), or None."""
+        th = None
+        if self.softcap > 0:
+            th = torch.tanh(s / (self.softcap * LOG2E))
+            torch.mul(th, self.softcap * LOG2E, out=s)
+        if self.slopes is not None:
+            i = torch.arange(i0, i1, device=self.device)[:, None]
+            distance = (i + self.diag - torch.arange(j0, j1, device=self.device)[None, :]).abs().to(self.cdt)
+            s.sub_(self.slopes * distance)
+        if self.bias is not None:
+            s.add_(self.bias[..., i0:i1, j0:j1].to(self.cdt), alpha=LOG2E)
+        return th
+
+    def keep_scale(self, i0, i1, j0, j1):
+        """Dropout's ``Z / (1 - p)`` on the tile (the Philox stream of ``onlineattn.dropout``), or None."""
+        if self.dropout_p == 0.0:
+            return None
+        i = torch.arange(i0, i1, device=self.device)[:, None]
+        j = torch.arange(j0, j1, device=self.device)[None, :]
+        keep = dropout.keep_mask(self.rng, self.batch, self.heads, self.heads_q, i, j, self.dropout_p)
+        return keep.to(self.cdt) / (1.0 - self.dropout_p)
+
+
+def _band(mods: Mods, causal: bool):
+    band = mods.band(causal)
+    return (UNBOUNDED, 0) if band is None and causal else band
+
+
+def _grouped_heads(x: torch.Tensor, b: int, hkv: int, g: int, s: int) -> torch.Tensor:
+    """A per-head vector ``[Hq]`` as ``[B, Hkv, G, S]`` (a broadcast view)."""
+    return x.reshape(1, hkv, g, 1).expand(b, hkv, g, s)
+
+
+def forward(q, k, v, scale: float, causal: bool, mods: Mods = PLAIN, block: int = DEFAULT_BLOCK, *, seq_index=None):
     """Return ``o [B, Sq, Hq, Dv]`` in q's dtype and ``lse [B, Hq, Sq]`` in float32 (float64 for float64 inputs).
 
+    ``mods`` holds the score variants (not varlen: ``forward_varlen`` calls this per sequence, with ``seq_index``).
     Not differentiable by itself (it fills buffers in place); ``attention`` is the differentiable entry.
     """
     hkv = k.shape[2]
@@ -80,15 +141,21 @@ def forward(q, k, v, scale: float, causal: bool, block: int = DEFAULT_BLOCK):
     qs = _grouped(q, hkv, cdt) * (scale * LOG2E)
     kt, vg = _grouped(k, hkv, cdt).transpose(-1, -2), _grouped(v, hkv, cdt)
     b, _, g, sq, _ = qs.shape
+    tm = _TileMods(mods, q, k, cdt, seq_index)
     o = torch.zeros((b, hkv, g, sq, v.shape[-1]), dtype=cdt, device=q.device)  # unnormalised until the end
     # The running max starts at the lowest finite value, not -inf, so that 2^(m_old - m_new) is never 2^(-inf + inf):
     # a row that has seen only masked keys keeps l = 0.
     m = torch.full((b, hkv, g, sq), torch.finfo(cdt).min, dtype=cdt, device=q.device)
     l = torch.zeros_like(m)
+    if mods.sinks is not None:  # the sink is the first "key": a logit with no value
+        sink = _grouped_heads(mods.sinks.to(cdt) * LOG2E, b, hkv, g, sq)
+        m = torch.maximum(m, sink)
+        l = torch.exp2(sink - m)
     buf = torch.empty(b * hkv * g * min(FORWARD_CHUNK, sq) * min(block, k.shape[1]), dtype=cdt, device=q.device)
-    for i0, i1, j0, j1, mask in _tiles(sq, k.shape[1], causal, FORWARD_CHUNK, block, False, q.device):
+    for i0, i1, j0, j1, mask in _tiles(sq, k.shape[1], _band(mods, causal), FORWARD_CHUNK, block, False, q.device):
         s = buf[: b * hkv * g * (i1 - i0) * (j1 - j0)].view(b, hkv, g, i1 - i0, j1 - j0)
         torch.matmul(qs[..., i0:i1, :], kt[..., j0:j1], out=s)
+        tm.apply(s, i0, i1, j0, j1)
         if mask is not None:
             s.masked_fill_(mask, float("-inf"))
         m_old = m[..., i0:i1]
@@ -96,7 +163,9 @@ def forward(q, k, v, scale: float, causal: bool, block: int = DEFAULT_BLOCK):
         alpha = m_old.sub_(m_new).exp2_()
         p = s.sub_(m_new[..., None]).exp2_()
         l[..., i0:i1].mul_(alpha).add_(p.sum(dim=-1))
-        o[..., i0:i1, :].mul_(alpha[..., None]).add_(torch.matmul(p, vg[..., j0:j1, :]))
+        keep = tm.keep_scale(i0, i1, j0, j1)
+        p_v = p if keep is None else p * keep
+        o[..., i0:i1, :].mul_(alpha[..., None]).add_(torch.matmul(p_v, vg[..., j0:j1, :]))
         m_old.copy_(m_new)
     seen = l > 0  # rows that saw no key keep o = 0 and lse = -inf
     o.div_(torch.where(seen, l, 1.0)[..., None])
@@ -105,10 +174,18 @@ def forward(q, k, v, scale: float, causal: bool, block: int = DEFAULT_BLOCK):
 
 
 def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, block: int = DEFAULT_BLOCK):
-    """Gradients ``(dq, dk, dv)`` by recomputation; ``dlse`` is the gradient flowing into lse, if any.
+    """Gradients ``(dq, dk, dv)`` of the plain path by recomputation; ``dlse`` is the gradient flowing into lse."""
+    return gradients(do, q, k, v, o, lse, scale, causal, dlse, block=block)[:3]
 
-    Since d lse_i / d s_ij = p_ij, a gradient on lse adds ``P ∘ dlse`` to dS, which is folded into delta.
-    It works in place on its own buffers, so it is not itself differentiable (no double backward).
+
+def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, mods: Mods = PLAIN,
+              block: int = DEFAULT_BLOCK, *, bias_grad: bool = False, seq_index=None):
+    """``(dq, dk, dv, dbias, dsinks)`` by recomputation; ``dbias`` (in attn_bias's shape, only with ``bias_grad``)
+    and ``dsinks [Hq]`` (only with sinks) are None otherwise.
+
+    Since d lse_i / d s_ij = p_ij, a gradient on lse adds ``P ∘ dlse`` to dS, which is folded into delta. The bias's
+    gradient is dS itself (summed over the dims it broadcasts); the softcap's ``1 - tanh²`` follows, on the way to q
+    and k. It works in place on its own buffers, so it is not itself differentiable (no double backward).
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in (do, q, k, v)):
         raise NotImplementedError("onlineattn's attention backward is not differentiable: double backward "
@@ -119,6 +196,7 @@ def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, block: 
     kg, vg = _grouped(k, hkv, cdt), _grouped(v, hkv, cdt)
     dog = _grouped(do, hkv, cdt)
     b, _, g, sq, _ = qs.shape
+    tm = _TileMods(mods, q, k, cdt, seq_index)
     delta = (dog * _grouped(o, hkv, cdt)).sum(dim=-1)
     if dlse is not None:
         delta = delta - dlse.to(cdt).reshape(delta.shape)
@@ -127,23 +205,89 @@ def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, block: 
     dq = torch.zeros_like(qs)
     dk = torch.zeros_like(kg[:, :, 0])
     dv = torch.zeros_like(vg[:, :, 0])
+    dbias = _BiasGrad(mods.attn_bias, cdt) if bias_grad else None
     tile = b * hkv * g * min(BACKWARD_CHUNK, sq) * min(block, k.shape[1])
     s_buf, dp_buf = torch.empty((2, tile), dtype=cdt, device=q.device)
-    for i0, i1, j0, j1, mask in _tiles(sq, k.shape[1], causal, BACKWARD_CHUNK, block, True, q.device):
+    for i0, i1, j0, j1, mask in _tiles(sq, k.shape[1], _band(mods, causal), BACKWARD_CHUNK, block, True, q.device):
         kb, vb, qb, dob = kg[..., j0:j1, :], vg[..., j0:j1, :], qs[..., i0:i1, :], dog[..., i0:i1, :]
         shape = (b, hkv, g, i1 - i0, j1 - j0)
         s = torch.matmul(qb, kb.transpose(-1, -2), out=s_buf[: math.prod(shape)].view(shape))
+        th = tm.apply(s, i0, i1, j0, j1)
         if mask is not None:
             s.masked_fill_(mask, float("-inf"))
         p = s.sub_(lse_g[..., i0:i1, None]).exp2_()
-        dv[:, :, j0:j1] += torch.matmul(p.transpose(-1, -2), dob).sum(dim=2)
+        keep = tm.keep_scale(i0, i1, j0, j1)
+        dv[:, :, j0:j1] += torch.matmul((p if keep is None else p * keep).transpose(-1, -2), dob).sum(dim=2)
         dp = torch.matmul(dob, vb.transpose(-1, -2), out=dp_buf[: math.prod(shape)].view(shape))
+        if keep is not None:
+            dp.mul_(keep)
         ds = p.mul_(dp.sub_(delta[..., i0:i1, None]))
+        if dbias is not None:
+            dbias.add(ds, i0, i1, j0, j1)
+        if th is not None:
+            ds.mul_(1.0 - th * th)
         dq[..., i0:i1, :] += torch.matmul(ds, kb)
         dk[:, :, j0:j1] += torch.matmul(ds.transpose(-1, -2), qb).sum(dim=2)
     dq = _ungrouped(dq.mul_(scale)).to(q.dtype)
     dk = dk.div_(LOG2E).transpose(1, 2)  # it summed dS against q scaled for base 2
-    return dq, dk.to(k.dtype), dv.transpose(1, 2).to(v.dtype)
+    dsinks = None
+    if mods.sinks is not None:  # d sink = -Σ_rows P_sink · delta
+        p_sink = torch.exp2(_grouped_heads(mods.sinks.to(cdt) * LOG2E, b, hkv, g, sq) - lse_g)
+        dsinks = -(p_sink * delta).sum(dim=(0, 3)).reshape(-1).to(mods.sinks.dtype)
+    return (dq, dk.to(k.dtype), dv.transpose(1, 2).to(v.dtype), None if dbias is None else dbias.result(),
+            dsinks)
+
+
+class _BiasGrad:
+    """The bias's gradient, accumulated tile by tile into its own (broadcast) shape: a tile's dS
+    ``[B, Hkv, G, rows, keys]`` is summed over the dims the bias broadcasts before it is added."""
+
+    def __init__(self, bias, cdt):
+        self.bias = bias
+        self.acc = torch.zeros(bias_4d(bias).shape, dtype=cdt, device=bias.device)
+
+    def add(self, ds, i0, i1, j0, j1) -> None:
+        b, hkv, g, r, c = ds.shape
+        ds = ds.reshape(b, hkv * g, r, c)
+        dims = [d for d in range(4) if self.acc.shape[d] == 1 and ds.shape[d] != 1]
+        if dims:
+            ds = ds.sum(dim=dims, keepdim=True)
+        rows = slice(i0, i1) if self.acc.shape[2] != 1 else slice(0, 1)
+        cols = slice(j0, j1) if self.acc.shape[3] != 1 else slice(0, 1)
+        self.acc[:, :, rows, cols] += ds
+
+    def result(self) -> torch.Tensor:
+        return self.acc.reshape(self.bias.shape).to(self.bias.dtype)
+
+
+def _sequence_bounds(mods: Mods):
+    """``(b, q rows, k rows)`` per packed sequence (reads cu_seqlens on the host)."""
+    cu_q, cu_k = mods.cu_seqlens_q.tolist(), mods.cu_seqlens_k.tolist()
+    return [(b, slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])) for b in range(len(cu_q) - 1)]
+
+
+def forward_varlen(q, k, v, scale: float, causal: bool, mods: Mods):
+    """Packed ``q [total_q, Hq, D]``, ``k [total_k, Hkv, D]``, ``v [total_k, Hkv, Dv]`` -> ``o [total_q, Hq, Dv]``
+    and ``lse [Hq, total_q]``: ``forward`` on each sequence in turn."""
+    o = q.new_zeros((q.shape[0], q.shape[1], v.shape[-1]))
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_compute_dtype(q.dtype), device=q.device)
+    for b, rq, rk in _sequence_bounds(mods):
+        o_b, lse_b = forward(q[None, rq], k[None, rk], v[None, rk], scale, causal, mods.sequence(b), seq_index=b)
+        o[rq], lse[:, rq] = o_b[0], lse_b[0]
+    return o, lse
+
+
+def gradients_varlen(do, q, k, v, o, lse, scale: float, causal: bool, dlse, mods: Mods):
+    """``gradients`` over packed sequences: ``(dq, dk, dv, None, dsinks)`` in the packed layouts."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dsinks = None if mods.sinks is None else torch.zeros_like(mods.sinks)
+    for b, rq, rk in _sequence_bounds(mods):
+        grads = gradients(do[None, rq], q[None, rq], k[None, rk], v[None, rk], o[None, rq], lse[None, :, rq], scale,
+                          causal, None if dlse is None else dlse[None, :, rq], mods.sequence(b), seq_index=b)
+        dq[rq], dk[rk], dv[rk] = grads[0][0], grads[1][0], grads[2][0]
+        if dsinks is not None:
+            dsinks += grads[4]
+    return dq, dk, dv, None, dsinks
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -151,39 +295,90 @@ def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, block: 
 # (dynamo's trace of the in-place loop inside an autograd.Function gave wrong gradients on torch 2.11).
 
 
-@torch.library.custom_op("onlineattn::blockwise_fwd", mutates_args=())
-def blockwise_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> tuple[
-    torch.Tensor, torch.Tensor
-]:
-    o, lse = forward(q, k, v, scale, causal)
-    return o.contiguous(), lse
+# Both paths' ops share one signature: the plain arguments, then the score variants (``_mods.MOD_SCHEMA``, all with
+# defaults, so a plain call passes five arguments). The backward returns the bias's and the sinks' gradients too,
+# as empty tensors where there are none (an op's outputs cannot be None).
+FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, float scale, bool causal, {MOD_SCHEMA}) -> (Tensor, Tensor)"
+BWD_SCHEMA = ("(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? dlse, float scale, "
+              f"bool causal, {MOD_SCHEMA}, bool bias_grad=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
+_BIAS_INPUT, _SINKS_INPUT = 9, 10  # positions of attn_bias and sinks among the forward op's inputs
 
 
-@blockwise_fwd.register_fake
-def _blockwise_fwd_fake(q, k, v, scale, causal):
-    b, sq, hq, _ = q.shape
+def fake_forward(q, k, v, scale, causal, *mod_args):
+    """Output shapes of either forward op: ``o [B, Sq, Hq, Dv]``, ``lse [B, Hq, Sq]`` (varlen: ``o [total_q, Hq,
+    Dv]``, ``lse [Hq, total_q]``), lse in float32 (float64 for float64)."""
     lse_dtype = _compute_dtype(q.dtype)
+    if Mods.from_op_args(mod_args).varlen:
+        total, hq, _ = q.shape
+        return q.new_empty((total, hq, v.shape[-1])), q.new_empty((hq, total), dtype=lse_dtype)
+    b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=lse_dtype)
 
 
-@torch.library.custom_op("onlineattn::blockwise_bwd", mutates_args=())
-def blockwise_bwd(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    dlse: Optional[torch.Tensor], scale: float, causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return tuple(x.contiguous() for x in backward(do, q, k, v, o, lse, scale, causal, dlse=dlse))
+def fake_backward(do, q, k, v, o, lse, dlse, scale, causal, *mod_args):
+    mods, bias_grad = Mods.from_bwd_args(mod_args)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            torch.empty_like(mods.attn_bias) if bias_grad else q.new_empty(0),
+            q.new_empty(0) if mods.sinks is None else torch.empty_like(mods.sinks))
 
 
-@blockwise_bwd.register_fake
-def _blockwise_bwd_fake(do, q, k, v, o, lse, dlse, scale, causal):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def op_outputs(grads, q):
+    """``(dq, dk, dv, dbias, dsinks)`` with None as an empty tensor, contiguous, as the backward ops return them."""
+    return tuple(q.new_empty(0) if g is None else g.contiguous() for g in grads)
+
+
+def _blockwise_fwd(q, k, v, scale, causal, *mod_args):
+    mods = Mods.from_op_args(mod_args)
+    o, lse = forward_varlen(q, k, v, scale, causal, mods) if mods.varlen else forward(q, k, v, scale, causal, mods)
+    return o.contiguous(), lse
+
+
+def _blockwise_bwd(do, q, k, v, o, lse, dlse, scale, causal, *mod_args):
+    mods, bias_grad = Mods.from_bwd_args(mod_args)
+    if mods.varlen:
+        grads = gradients_varlen(do, q, k, v, o, lse, scale, causal, dlse, mods)
+    else:
+        grads = gradients(do, q, k, v, o, lse, scale, causal, dlse, mods, bias_grad=bias_grad)
+    return op_outputs(grads, q)
+
+
+blockwise_fwd = torch.library.custom_op("onlineattn::blockwise_fwd", _blockwise_fwd, mutates_args=(), schema=FWD_SCHEMA)
+blockwise_bwd = torch.library.custom_op("onlineattn::blockwise_bwd", _blockwise_bwd, mutates_args=(), schema=BWD_SCHEMA)
+blockwise_fwd.register_fake(fake_forward)
+blockwise_bwd.register_fake(fake_backward)
 
 
 def save_for_backward(ctx, inputs, output):
-    """``setup_context`` shared by both paths' forward ops: keep q, k, v, o and lse only (O(N) training memory)."""
-    q, k, v, scale, causal = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    """``setup_context`` shared by both paths' forward ops: keep q, k, v, o, lse and the variants' small tensors
+    (O(N) training memory; attn_bias is the caller's own tensor, referenced, not copied)."""
+    q, k, v, scale, causal, *mod_args = inputs
+    mods = Mods.from_op_args(mod_args)
+    ctx.save_for_backward(q, k, v, *output, mods.alibi_slopes, mods.attn_bias, mods.sinks, mods.rng,
+                          mods.cu_seqlens_q, mods.cu_seqlens_k)
     ctx.scale, ctx.causal = scale, causal
+    ctx.mod_scalars = (mods.window_left, mods.window_right, mods.softcap, mods.dropout_p, mods.max_seqlen_q,
+                       mods.max_seqlen_k)
+
+
+def autograd_formula(backward_op):
+    """The forward op's backward: call ``backward_op`` (the same path's backward custom op) with the saved tensors
+    and hand each input its gradient (q, k, v, and attn_bias and sinks where they require it)."""
+
+    def formula(ctx, do, dlse):
+        q, k, v, o, lse, slopes, bias, sinks, rng, cu_q, cu_k = ctx.saved_tensors
+        left, right, softcap, p, max_q, max_k = ctx.mod_scalars
+        mods = Mods(left, right, softcap, slopes, bias, sinks, p, rng, cu_q, cu_k, max_q, max_k)
+        bias_grad = bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
+        dq, dk, dv, dbias, dsinks = backward_op(do, q, k, v, o, lse, dlse, ctx.scale, ctx.causal, *mods.op_args(),
+                                                bias_grad)
+        grads = [dq, dk, dv] + [None] * (len(ctx.needs_input_grad) - 3)
+        if bias_grad:
+            grads[_BIAS_INPUT] = dbias
+        if sinks is not None and ctx.needs_input_grad[_SINKS_INPUT]:
+            grads[_SINKS_INPUT] = dsinks
+        return tuple(grads)
+
+    return formula
 
 
 def refuse_double_backward(ctx, *grads):
@@ -192,18 +387,15 @@ def refuse_double_backward(ctx, *grads):
     )
 
 
-def _blockwise_fwd_backward(ctx, do, dlse):
-    q, k, v, o, lse = ctx.saved_tensors
-    return (*blockwise_bwd(do, q, k, v, o, lse, dlse, ctx.scale, ctx.causal), None, None)
-
-
-blockwise_fwd.register_autograd(_blockwise_fwd_backward, setup_context=save_for_backward)
+blockwise_fwd.register_autograd(autograd_formula(blockwise_bwd), setup_context=save_for_backward)
 blockwise_bwd.register_autograd(refuse_double_backward)
 
 
-def attention(q, k, v, scale: float, causal: bool):
-    """Differentiable blockwise attention: ``(o, lse)``."""
-    return blockwise_fwd(q, k, v, scale, causal)
+def attention(q, k, v, scale: float, causal: bool, mods: Mods = PLAIN):
+    """Differentiable blockwise attention: ``(o, lse)``; with varlen mods, over packed sequences."""
+    if mods is PLAIN:
+        return blockwise_fwd(q, k, v, scale, causal)
+    return blockwise_fwd(q, k, v, scale, causal, *mods.op_args())
 
 
 def merge_states_list(os, lses):

@@ -107,3 +107,170 @@ def page_and_slot(BLOCK_TABLE, off_bt, off_b, pos, mask, PAGE_SIZE: tl.constexpr
         page = off_b
         slot = pos
     return page, slot
+
+
+# ---- score variants (issue #6; onlineattn._mods has their definitions) ---------------------------------------------
+# Index arguments ``i`` (query), ``j`` (key) and ``h`` (query head) are blocks that broadcast against the score tile,
+# so the same helper serves a tile ``[rows, keys]`` and its transpose ``[keys, rows]`` (the dK/dV kernel's).
+# The kernels pass the variants' runtime arguments as one tuple ``vargs`` (``variant_tuple`` builds it), read only
+# under their constexpr flags:
+#   (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_q, window_left, window_right,
+#    softcap_in, softcap_out, dropout_p, batch0)
+
+
+@triton.jit
+def variant_tuple(SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_q, window_left,
+                  window_right, softcap_in, softcap_out, dropout_p, batch0):
+    return (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_q, window_left,
+            window_right, softcap_in, softcap_out, dropout_p, batch0)
+
+
+@triton.jit
+def tanh(x):
+    """tanh in float32 to a few ulps: a Taylor series near 0, where ``(1 − e) / (1 + e)`` with ``e = exp(−2|x|)``
+    loses digits to cancellation, that ratio elsewhere. (libdevice's tanh has no interpreter implementation.)"""
+    ax = tl.abs(x)
+    e = tl.math.exp2(ax * -2.8853900817779268)  # exp(-2|x|)
+    x2 = x * x
+    small = ax * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    t = tl.where(ax < 0.125, small, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def sequence_bounds(CU_Q, CU_K, pid_b, seqlen_q, seqlen_k, VARLEN: tl.constexpr):
+    """``(q_start, k_start, seqlen_q, seqlen_k)`` of batch entry ``pid_b``: a packed sequence's offsets and lengths
+    from ``cu_seqlens`` with ``VARLEN``, else offsets 0 and the lengths given."""
+    q_start = 0
+    k_start = 0
+    if VARLEN:
+        q_start = tl.load(CU_Q + pid_b)
+        k_start = tl.load(CU_K + pid_b)
+        seqlen_q = tl.load(CU_Q + pid_b + 1) - q_start
+        seqlen_k = tl.load(CU_K + pid_b + 1) - k_start
+    return q_start, k_start, seqlen_q, seqlen_k
+
+
+@triton.jit
+def _split_range(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    """Order a visited range ``[lo, hi)`` (``lo`` block aligned) around its whole-block part ``[full_lo, full_hi)``
+    so that ``lo <= full_lo <= full_hi <= hi``: an empty whole part collapses onto ``full_lo``."""
+    lo = (lo // BLOCK) * BLOCK
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def band_key_range(start_r, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """Keys a tile of packed rows visits under a sliding window (query i sees key j when ``i + diag − left <= j <=
+    i + diag + right``): masked ``[lo, full_lo)``, whole ``[full_lo, full_hi)``, masked ``[full_hi, hi)``. Blocks
+    outside ``[lo, hi)`` are hidden from every row of the tile and never loaded, so a tile costs O(window)."""
+    diag = seqlen_k - seqlen_q
+    first_q = start_r // GROUP
+    last_q = tl.minimum((start_r + BLOCK_M - 1) // GROUP, seqlen_q - 1)
+    lo = tl.maximum(first_q + diag - window_left, 0)
+    hi = tl.maximum(tl.minimum(last_q + diag + window_right + 1, seqlen_k), 0)
+    full_lo = tl.cdiv(tl.maximum(last_q + diag - window_left, 0), BLOCK_N) * BLOCK_N
+    full_hi = (tl.minimum(first_q + diag + window_right + 1, seqlen_k) // BLOCK_N) * BLOCK_N
+    return _split_range(lo, full_lo, full_hi, hi, BLOCK_N)
+
+
+@triton.jit
+def band_row_range(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, GROUP: tl.constexpr):
+    """Packed query rows a block of keys ``[start_n, start_n + BLOCK_N)`` visits under a sliding window, split as
+    ``band_key_range``'s keys: query i sees key j when ``j − diag − right <= i <= j − diag + left``."""
+    diag = seqlen_k - seqlen_q
+    end_n = start_n + BLOCK_N - 1
+    # Clamp queries to [0, seqlen_q] before scaling by GROUP: an unbounded side is 2^30 and must not overflow.
+    i_lo = tl.minimum(tl.maximum(start_n - diag - window_right, 0), seqlen_q)
+    i_hi = tl.minimum(tl.maximum(end_n - diag + window_left + 1, 0), seqlen_q)
+    i_full_lo = tl.minimum(tl.maximum(end_n - diag - window_right, 0), seqlen_q)
+    i_full_hi = tl.minimum(tl.maximum(start_n - diag + window_left + 1, 0), seqlen_q)
+    return _split_range(i_lo * GROUP, tl.cdiv(i_full_lo * GROUP, BLOCK_M) * BLOCK_M,
+                        (i_full_hi * GROUP // BLOCK_M) * BLOCK_M, i_hi * GROUP, BLOCK_M)
+
+
+@triton.jit
+def visible(i, j, seqlen_k, diag, vargs, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """True where query i sees key j: inside the keys, then bottom-right causal or inside the window."""
+    (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_q, window_left, window_right,
+     softcap_in, softcap_out, dropout_p, batch0) = vargs
+    vis = j < seqlen_k
+    if CAUSAL:
+        vis = vis & (j <= i + diag)
+    if WINDOW:
+        vis = vis & (j <= i + diag + window_right) & (j >= i + diag - window_left)
+    return vis
+
+
+@triton.jit
+def score_mod(qk, i, j, h, b, m_ij, diag, qk_scale, vargs, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    """Raw scores ``q·k`` -> logits in the log2 domain: ``softcap · tanh(scale · q·k / softcap)``, minus ALiBi's
+    ``slope_h · |i + diag − j|``, plus ``attn_bias[b, h, i, j]`` (read where ``m_ij``), all times log2 e
+    (``softcap_in = scale / softcap``, ``softcap_out = softcap · log2 e``). Returns the logits and the softcap's tanh
+    (its derivative is ``1 − tanh²``; the raw scores without a softcap)."""
+    (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_q, window_left, window_right,
+     softcap_in, softcap_out, dropout_p, batch0) = vargs
+    th = qk
+    if SOFTCAP:
+        th = tanh(qk * softcap_in)
+        x = th * softcap_out
+    else:
+        x = qk * qk_scale
+    if ALIBI:
+        slope = tl.load(SLOPES + b * stride_sb + h).to(tl.float32) * 1.4426950408889634
+        x -= slope * tl.abs(i + diag - j).to(tl.float32)
+    if HAS_BIAS:
+        p_bias = BIAS + b * stride_bb + h.to(tl.int64) * stride_bh + i.to(tl.int64) * stride_bi + j * stride_bj
+        x += tl.load(p_bias, mask=m_ij, other=0.0).to(tl.float32) * 1.4426950408889634
+    return x, th
+
+
+@triton.jit
+def dropout_keep(RNG, i, j, h, b, heads_q, dropout_p):
+    """Dropout's keep decision for elements ``(b, h, i, j)``: ``u > p`` for the first word of Philox-4x32-10 with key
+    ``(seed_lo, seed_hi)`` and counter ``(j, i, b·Hq + h, offset)``, ``RNG`` holding ``(seed_lo, seed_hi, offset)``
+    (int64). ``onlineattn.dropout`` draws the same words in torch."""
+    seed = (tl.load(RNG + 1) << 32) | tl.load(RNG)
+    zero = (i + j) * 0
+    c0 = (j + zero).to(tl.int32)
+    c1 = (i + zero).to(tl.int32)
+    c2 = (b * heads_q + h + zero).to(tl.int32)
+    c3 = (tl.load(RNG + 2) + zero).to(tl.int32)
+    word, _, _, _ = tl.philox(seed, c0, c1, c2, c3)
+    return tl.uint_to_uniform_float(word) > dropout_p
+
+
+@triton.jit
+def keep_scale(i, j, h, b, vargs):
+    """Dropout's ``Z / (1 − p)``: ``1 / (1 − p)`` where ``dropout_keep`` keeps an element, 0 where it drops it."""
+    (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_q, window_left, window_right,
+     softcap_in, softcap_out, dropout_p, batch0) = vargs
+    keep = dropout_keep(RNG, i, j, h, batch0 + b, heads_q, dropout_p)
+    return tl.where(keep, 1.0 / (1.0 - dropout_p), 0.0)
+
+
+@triton.jit
+def bwd_probs(s, i, j, h, b, m_ij, lse, seqlen_k, diag, qk_scale, vargs, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+              WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+              DROPOUT: tl.constexpr):
+    """The backward's recomputed probabilities ``P = 2^(x − lse)`` of a score tile ``s`` (or its transpose; ``lse``
+    in the log2 domain, broadcast along the keys) with the variants and, when ``MASKED``, the visibility mask.
+    Returns ``(P, tanh, keep)``: the softcap's tanh for its derivative ``1 − tanh²``, and dropout's ``Z / (1 − p)``
+    (``1 / (1 − p)`` where kept, 0 where dropped); each is a placeholder where its variant is off."""
+    th = s
+    if SOFTCAP or ALIBI or HAS_BIAS:
+        x, th = score_mod(s, i, j, h, b, m_ij, diag, qk_scale, vargs, SOFTCAP, ALIBI, HAS_BIAS)
+    else:
+        x = s * qk_scale
+    if MASKED:
+        x = tl.where(visible(i, j, seqlen_k, diag, vargs, CAUSAL, WINDOW), x, float("-inf"))
+    p = tl.math.exp2(x - lse)
+    keep = p
+    if DROPOUT:
+        keep = keep_scale(i, j, h, b, vargs)
+    return p, th, keep

@@ -112,6 +112,27 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
 
 
 @dataclass(frozen=True)
+class BiasGradConfig:
+    block_m: int  # query rows per tile (of one head: this kernel does not pack GQA rows)
+    block_n: int  # keys per tile
+    num_warps: int
+    num_stages: int
+
+
+_BIAS_GRAD_INTERPRETER = BiasGradConfig(32, 32, 4, 1)
+# Provisional and unmeasured: the kernel holds Q, dO, K and V tiles and one float32 accumulator; 64 x 64 at
+# d <= 128 keeps those within shared memory with room to spare, d = 256 halves both. fp32 takes the small tile.
+_BIAS_GRAD_CUDA = BiasGradConfig(64, 64, 4, 2)
+_BIAS_GRAD_SMALL = BiasGradConfig(32, 32, 4, 1)
+
+
+def bias_grad_config(head_dim: int, dtype: torch.dtype, device_type: str) -> BiasGradConfig:
+    if device_type != "cuda":
+        return _BIAS_GRAD_INTERPRETER
+    return _BIAS_GRAD_SMALL if dtype == torch.float32 or _padded(head_dim) > 128 else _BIAS_GRAD_CUDA
+
+
+@dataclass(frozen=True)
 class MergeConfig:
     block_rows: int  # (query, head) rows per program
     num_warps: int

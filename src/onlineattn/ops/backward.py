@@ -19,17 +19,19 @@ With ``USE_TMA`` the streamed operands come through the copy engine: Q and dO in
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..torch_impl import refuse_double_backward
-from ._common import LOG2E, key_range, packed_rows
+from .._mods import PLAIN, Mods
+from ..torch_impl import BWD_SCHEMA, fake_backward, op_outputs, refuse_double_backward
+from . import bias_grad as bias_grad_kernel
+from ._common import (
+    LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, sequence_bounds, variant_tuple,
+)
 from ._configs import bwd_config
-from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets
+from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, variant_args
 
 PREPROCESS_ROWS = 64  # rows per program of the delta pass: it streams O and dO once, any tile saturates bandwidth
 
@@ -80,17 +82,38 @@ def attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh,
     stride_lb, stride_lh,
     seqlen_q, seqlen_k, heads_kv, qk_scale, sm_scale,
+    # Score variants, as in the forward kernel (None or 0 unless their flag is set).
+    CU_Q, CU_K, SLOPES, BIAS, SINKS, RNG,
+    stride_sb, stride_bb, stride_bh, stride_bi, stride_bj,
+    window_left, window_right, softcap_in, softcap_out, dropout_p, batch0,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    VARLEN: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, SINK: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     pid_b = pid_bh // heads_kv  # int32 coordinate for tensor descriptors
     off_b = pid_b.to(tl.int64)
     off_hkv = pid_bh % heads_kv
+    if VARLEN:  # packed sequences (batch strides 0): move each pointer to this sequence
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CU_Q, CU_K, pid_b, seqlen_q, seqlen_k, VARLEN)
+        if pid_n * BLOCK_N >= seqlen_k:
+            return
+        Q += q_start.to(tl.int64) * stride_qs
+        DO += q_start.to(tl.int64) * stride_dos
+        LSE += q_start
+        DELTA += q_start
+        K += k_start.to(tl.int64) * stride_ks
+        V += k_start.to(tl.int64) * stride_vs
+        DK += k_start.to(tl.int64) * stride_dks
+        DV += k_start.to(tl.int64) * stride_dvs
+    vargs = variant_tuple(SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_kv * GROUP,
+                          window_left, window_right, softcap_in, softcap_out, dropout_p, batch0)
     start_n = pid_n * BLOCK_N
     o_n = start_n + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
@@ -108,26 +131,41 @@ def attention_bwd_dkdv_kernel(
 
     # Packed row r holds query r // GROUP, which sees key j when j <= r // GROUP + diag. Rows before ``lo`` see none of
     # this block; rows from ``full_lo`` on see all of it; tiles in between are masked. Keys past seqlen_k load as zero
-    # and only feed dK/dV rows that are never stored.
+    # and only feed dK/dV rows that are never stored. A window adds masked rows after ``full_hi``.
     diag = seqlen_k - seqlen_q
     rows = seqlen_q * GROUP
     lo = 0
     full_lo = 0
-    if CAUSAL:
+    full_hi = rows
+    hi = rows
+    if WINDOW:
+        lo, full_lo, full_hi, hi = band_row_range(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK_M,
+                                                  BLOCK_N, GROUP)
+    elif CAUSAL:
         lo = (tl.maximum(start_n - diag, 0) * GROUP) // BLOCK_M * BLOCK_M
         full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0) * GROUP, BLOCK_M) * BLOCK_M
     for start_m in range(lo, tl.minimum(full_lo, rows), BLOCK_M):
         b_dk, b_dv = _dkdv_tile(
             Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
-            stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-            seqlen_q, diag, qk_scale, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, MASKED=True,
+            stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
+            seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, True,
+            CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
         )
-    for start_m in range(full_lo, rows, BLOCK_M):
+    for start_m in range(full_lo, full_hi, BLOCK_M):
         b_dk, b_dv = _dkdv_tile(
             Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
-            stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-            seqlen_q, diag, qk_scale, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, MASKED=False,
+            stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
+            seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, False,
+            CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
         )
+    if WINDOW:
+        for start_m in range(full_hi, hi, BLOCK_M):
+            b_dk, b_dv = _dkdv_tile(
+                Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
+                stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
+                seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, True,
+                CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+            )
 
     p_dk = DK + off_b * stride_dkb + off_hkv * stride_dkh + o_n[:, None] * stride_dks + o_d[None, :]
     p_dv = DV + off_b * stride_dvb + off_hkv * stride_dvh + o_n[:, None] * stride_dvs + o_dv[None, :]
@@ -139,11 +177,13 @@ def attention_bwd_dkdv_kernel(
 def _dkdv_tile(
     Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
     stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
-    seqlen_q, diag, qk_scale, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr,
+    seqlen_q, seqlen_k, diag, qk_scale, vargs,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """One tile of packed query rows ``[start_m, start_m + BLOCK_M)`` against the program's keys: adds ``Pᵀ dO`` to dV
-    and ``dSᵀ Q`` to dK."""
+    and ``dSᵀ Q`` to dK. The tile is transposed (keys × rows), so the variants see ``i`` along the columns."""
     o_i, o_h, m_r = packed_rows(start_m, off_hkv, seqlen_q, BLOCK_M, GROUP)
     if USE_TMA:  # [B, Sq, Hq, D] descriptors with boxes [1, BLOCK_M / GROUP, GROUP, D]: the packed rows in order
         b_q = Q.load([pid_b, start_m // GROUP, off_hkv * GROUP, 0]).reshape(BLOCK_M, BLOCK_D)
@@ -155,12 +195,25 @@ def _dkdv_tile(
         b_do = tl.load(p_do, mask=m_r[:, None] & m_dv[None, :], other=0.0)
     b_lse, b_delta = _row_stats(LSE, DELTA, off_b, o_h, o_i, m_r, stride_lb, stride_lh)
     b_st = tl.dot(b_k, tl.trans(b_q), input_precision=INPUT_PRECISION)  # Sᵀ: [BLOCK_N, BLOCK_M]
-    if MASKED:
-        b_st = tl.where(o_n[:, None] <= o_i[None, :] + diag, b_st, float("-inf"))
-    b_pt = tl.math.exp2(b_st * qk_scale - b_lse[None, :])
-    b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=INPUT_PRECISION)
+    if WINDOW or SOFTCAP or ALIBI or HAS_BIAS or DROPOUT:
+        b_pt, th, keep = bwd_probs(
+            b_st, o_i[None, :], o_n[:, None], o_h[None, :], pid_b, m_r[None, :] & (o_n < seqlen_k)[:, None],
+            b_lse[None, :], seqlen_k, diag, qk_scale, vargs, CAUSAL, MASKED, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+        )
+    else:
+        if MASKED:
+            b_st = tl.where(o_n[:, None] <= o_i[None, :] + diag, b_st, float("-inf"))
+        b_pt = tl.math.exp2(b_st * qk_scale - b_lse[None, :])
+    if DROPOUT:  # dV takes the kept probabilities, scaled; dP flows back through the same mask
+        b_dv += tl.dot((b_pt * keep).to(b_do.dtype), b_do, input_precision=INPUT_PRECISION)
+    else:
+        b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=INPUT_PRECISION)
     b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=INPUT_PRECISION)
+    if DROPOUT:
+        b_dpt = b_dpt * keep
     b_dst = b_pt * (b_dpt - b_delta[None, :])
+    if SOFTCAP:
+        b_dst = b_dst * (1.0 - th * th)
     b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=INPUT_PRECISION)
     return b_dk, b_dv
 
@@ -175,17 +228,34 @@ def attention_bwd_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
     seqlen_q, seqlen_k, heads_kv, qk_scale, sm_scale,
+    CU_Q, CU_K, SLOPES, BIAS, SINKS, RNG,
+    stride_sb, stride_bb, stride_bh, stride_bi, stride_bj,
+    window_left, window_right, softcap_in, softcap_out, dropout_p, batch0,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    VARLEN: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, SINK: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first
     pid_bh = tl.program_id(1)
     pid_b = pid_bh // heads_kv
     off_b = pid_b.to(tl.int64)
     off_hkv = pid_bh % heads_kv
+    if VARLEN:
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CU_Q, CU_K, pid_b, seqlen_q, seqlen_k, VARLEN)
+        if pid_m * BLOCK_M >= seqlen_q * GROUP:
+            return
+        Q += q_start.to(tl.int64) * stride_qs
+        DO += q_start.to(tl.int64) * stride_dos
+        DQ += q_start.to(tl.int64) * stride_dqs
+        LSE += q_start
+        DELTA += q_start
+        K += k_start.to(tl.int64) * stride_ks
+        V += k_start.to(tl.int64) * stride_vs
     o_i, o_h, m_r = packed_rows(pid_m * BLOCK_M, off_hkv, seqlen_q, BLOCK_M, GROUP)
     o_d = tl.arange(0, BLOCK_D)
     o_dv = tl.arange(0, BLOCK_DV)
@@ -198,44 +268,90 @@ def attention_bwd_dq_kernel(
     b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
     b_do = tl.load(p_do, mask=m_r[:, None] & m_dv[None, :], other=0.0)
     b_lse, b_delta = _row_stats(LSE, DELTA, off_b, o_h, o_i, m_r, stride_lb, stride_lh)
-    if not USE_TMA:
+    if USE_TMA:  # the descriptors themselves (the pointers are unused)
+        p_k = K
+        p_v = V
+    else:
         p_k = K + off_b * stride_kb + off_hkv * stride_kh + o_n[:, None] * stride_ks + o_d[None, :]
         p_v = V + off_b * stride_vb + off_hkv * stride_vh + o_n[:, None] * stride_vs + o_dv[None, :]
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    vargs = variant_tuple(SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_kv * GROUP,
+                          window_left, window_right, softcap_in, softcap_out, dropout_p, batch0)
 
-    # The forward's key range: unmasked blocks every row sees whole, then the diagonal and the tail, masked.
-    full_hi, hi = key_range(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, GROUP, CAUSAL)
+    # The forward's key range: unmasked blocks every row sees whole, then the diagonal and the tail, masked (and with
+    # a window, the masked blocks of its left edge first).
+    lo = 0
+    full_lo = 0
+    if WINDOW:
+        lo, full_lo, full_hi, hi = band_key_range(pid_m * BLOCK_M, seqlen_q, seqlen_k, window_left, window_right,
+                                                  BLOCK_M, BLOCK_N, GROUP)
+    else:
+        full_hi, hi = key_range(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, GROUP, CAUSAL)
     diag = seqlen_k - seqlen_q
-    for start_n in range(0, full_hi, BLOCK_N):
-        if USE_TMA:  # [B, Sk, Hkv, D] descriptors; the copy engine zero-fills past the end
-            b_k = K.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_D)
-            b_v = V.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_DV)
-        else:
-            b_k = tl.load(p_k + start_n * stride_ks, mask=m_d[None, :], other=0.0)
-            b_v = tl.load(p_v + start_n * stride_vs, mask=m_dv[None, :], other=0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)
-        b_p = tl.math.exp2(b_s * qk_scale - b_lse[:, None])
-        b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=INPUT_PRECISION) - b_delta[:, None])
-        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=INPUT_PRECISION)
+    if WINDOW:
+        for start_n in range(lo, full_lo, BLOCK_N):
+            b_dq = _dq_block(
+                start_n, b_q, b_do, b_lse, b_delta, b_dq, K, V, p_k, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d,
+                m_dv, seqlen_k, diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N, BLOCK_D, BLOCK_DV,
+                INPUT_PRECISION, USE_TMA, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+            )
+    for start_n in range(full_lo, full_hi, BLOCK_N):
+        b_dq = _dq_block(
+            start_n, b_q, b_do, b_lse, b_delta, b_dq, K, V, p_k, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d,
+            m_dv, seqlen_k, diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N, BLOCK_D, BLOCK_DV,
+            INPUT_PRECISION, USE_TMA, False, CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+        )
     for start_n in range(full_hi, hi, BLOCK_N):
-        m_n = (start_n + o_n) < seqlen_k
-        if USE_TMA:
-            b_k = K.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_D)
-            b_v = V.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_DV)
-        else:
-            b_k = tl.load(p_k + start_n * stride_ks, mask=m_n[:, None] & m_d[None, :], other=0.0)
-            b_v = tl.load(p_v + start_n * stride_vs, mask=m_n[:, None] & m_dv[None, :], other=0.0)
-        b_s = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)
-        visible = m_n[None, :]
-        if CAUSAL:
-            visible = visible & ((start_n + o_n)[None, :] <= o_i[:, None] + diag)
-        b_s = tl.where(visible, b_s, float("-inf"))
-        b_p = tl.math.exp2(b_s * qk_scale - b_lse[:, None])
-        b_ds = b_p * (tl.dot(b_do, tl.trans(b_v), input_precision=INPUT_PRECISION) - b_delta[:, None])
-        b_dq += tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=INPUT_PRECISION)
+        b_dq = _dq_block(
+            start_n, b_q, b_do, b_lse, b_delta, b_dq, K, V, p_k, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d,
+            m_dv, seqlen_k, diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N, BLOCK_D, BLOCK_DV,
+            INPUT_PRECISION, USE_TMA, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+        )
 
     p_dq = DQ + off_b * stride_dqb + o_i[:, None] * stride_dqs + o_h[:, None] * stride_dqh + o_d[None, :]
     tl.store(p_dq, (b_dq * sm_scale).to(DQ.dtype.element_ty), mask=m_r[:, None] & m_d[None, :])
+
+
+@triton.jit
+def _dq_block(
+    start_n, b_q, b_do, b_lse, b_delta, b_dq, K, V, p_k, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d,
+    m_dv, seqlen_k, diag, stride_ks, stride_vs, qk_scale, vargs,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+):
+    """One key block of the dQ loop: ``dQ += dS K`` with ``dS = P ∘ (dP − delta)``, ``dP = dO Vᵀ``."""
+    o_j = start_n + o_n
+    m_n = o_j < seqlen_k
+    if USE_TMA:  # [B, Sk, Hkv, D] descriptors; the copy engine zero-fills past the end
+        b_k = K.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_D)
+        b_v = V.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_DV)
+    elif MASKED:
+        b_k = tl.load(p_k + start_n * stride_ks, mask=m_n[:, None] & m_d[None, :], other=0.0)
+        b_v = tl.load(p_v + start_n * stride_vs, mask=m_n[:, None] & m_dv[None, :], other=0.0)
+    else:
+        b_k = tl.load(p_k + start_n * stride_ks, mask=m_d[None, :], other=0.0)
+        b_v = tl.load(p_v + start_n * stride_vs, mask=m_dv[None, :], other=0.0)
+    b_s = tl.dot(b_q, tl.trans(b_k), input_precision=INPUT_PRECISION)
+    if WINDOW or SOFTCAP or ALIBI or HAS_BIAS or DROPOUT:
+        b_p, th, keep = bwd_probs(
+            b_s, o_i[:, None], o_j[None, :], o_h[:, None], pid_b, m_r[:, None] & m_n[None, :], b_lse[:, None],
+            seqlen_k, diag, qk_scale, vargs, CAUSAL, MASKED, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+        )
+    else:
+        if MASKED:
+            visible = m_n[None, :]
+            if CAUSAL:
+                visible = visible & (o_j[None, :] <= o_i[:, None] + diag)
+            b_s = tl.where(visible, b_s, float("-inf"))
+        b_p = tl.math.exp2(b_s * qk_scale - b_lse[:, None])
+    b_dp = tl.dot(b_do, tl.trans(b_v), input_precision=INPUT_PRECISION)
+    if DROPOUT:
+        b_dp = b_dp * keep
+    b_ds = b_p * (b_dp - b_delta[:, None])
+    if SOFTCAP:
+        b_ds = b_ds * (1.0 - th * th)
+    return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=INPUT_PRECISION)
 
 
 def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out=None, config=None):
@@ -245,40 +361,75 @@ def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out=
     ``out`` is an optional ``(dq, dk, dv)`` of buffers of those shapes, last dim contiguous, in any float dtype the
     kernels store to: ring attention passes float32 buffers so each block's gradients are summed before rounding.
     ``config`` (a ``BwdConfig``) overrides the table, for the tile sweep."""
+    return gradients(do, q, k, v, o, lse, scale, causal, dlse, out=out, config=config)[:3]
+
+
+def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out=None, config=None,
+              mods: Mods = PLAIN, bias_grad: bool = False):
+    """``(dq, dk, dv, dbias, dsinks)``: ``backward``'s gradients with the score variants of ``mods``; ``dbias`` (in
+    attn_bias's shape and dtype, from the separate kernel of ``bias_grad.py``) only with ``bias_grad``, ``dsinks``
+    (``[Hq]``, ``-Σ_rows exp(sink − lse) · delta``) only with sinks; None otherwise. With varlen ``mods`` every
+    tensor is packed: q ``[total_q, Hq, D]``, k ``[total_k, Hkv, D]``, lse ``[Hq, total_q]``."""
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32; q has dtype {q.dtype}")
     q, k, v, o, do = (_last_dim_contiguous(x) for x in (q, k, v, o, do))
     lse = lse.contiguous()
-    b, sq, hq, d = q.shape
-    hkv, dv_dim = k.shape[2], v.shape[3]
     dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if out is None else out
     if any(x.stride(-1) != 1 for x in (dq, dk, dv)):
         raise ValueError("the out buffers (dq, dk, dv) must be contiguous in their last dim")
-    if b * sq * hq == 0 or k.shape[1] == 0:  # no query or no key: every gradient is zero
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     dlse = None if dlse is None else dlse.contiguous()
-    cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type)
-    group = hq // hkv
-    # Packed query rows come through the copy engine when a row tile holds whole groups in order (boxes must be powers
-    # of two); K and V in the dQ kernel whenever the strides allow.
-    tma_rows = cfg.dkdv.tma and group & (group - 1) == 0 and cfg.dkdv.block_m % group == 0 and _tma_ok(q, do)
-    tma_keys = cfg.dq.tma and _tma_ok(k, v)
-    # Every tensor is also read through pointers by one kernel or another, so all must fit int32 offsets.
-    check_int32_offsets(q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse)
-    for rows in batch_slices(b, max(hq, hkv)):
-        _launch(
-            do[rows], q[rows], k[rows], v[rows], o[rows], lse[rows], None if dlse is None else dlse[rows],
-            delta[rows], dq[rows], dk[rows], dv[rows], scale, causal, cfg, tma_rows, tma_keys,
-        )
-    return dq, dk, dv
+    if mods.varlen:  # packed [1, total, H, D] views, as in the forward
+        q, k, v, o, do, dq, dk, dv = (x[None] for x in (q, k, v, o, do, dq, dk, dv))
+        lse, dlse = lse[None], None if dlse is None else dlse[None]
+    b, sq, hq, d = q.shape
+    hkv, dv_dim = k.shape[2], v.shape[3]
+    dbias = None
+    if q.numel() == 0 or k.shape[1] == 0:  # no query or no key: every gradient of q, k, v is zero
+        dq.zero_(), dk.zero_(), dv.zero_()
+        delta = (do.float() * o.float()).sum(-1).transpose(1, 2) - (0 if dlse is None else dlse)
+    else:
+        delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+        cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type)
+        group = hq // hkv
+        # Packed query rows come through the copy engine when a row tile holds whole groups in order (boxes must be
+        # powers of two); K and V in the dQ kernel whenever the strides allow. Not for packed sequences, whose
+        # bounds a descriptor over the whole pack cannot know.
+        tma_rows = (cfg.dkdv.tma and group & (group - 1) == 0 and cfg.dkdv.block_m % group == 0 and _tma_ok(q, do)
+                    and not mods.varlen)
+        tma_keys = cfg.dq.tma and _tma_ok(k, v) and not mods.varlen
+        # Every tensor is also read through pointers by one kernel or another, so all must fit int32 offsets.
+        if mods.varlen:
+            lq, lk = slice(0, mods.max_seqlen_q), slice(0, mods.max_seqlen_k)
+            check_int32_offsets(q=q[:, lq], k=k[:, lk], v=v[:, lk], o=o[:, lq], do=do[:, lq], dq=dq[:, lq],
+                                dk=dk[:, lk], dv=dv[:, lk], lse=lse)
+            _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, False, False, mods)
+        else:
+            check_int32_offsets(q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse)
+            for rows in batch_slices(b, max(hq, hkv)):
+                _launch(
+                    do[rows], q[rows], k[rows], v[rows], o[rows], lse[rows], None if dlse is None else dlse[rows],
+                    delta[rows], dq[rows], dk[rows], dv[rows], scale, causal, cfg, tma_rows, tma_keys,
+                    mods.batch_slice(rows),
+                )
+        if bias_grad:
+            dbias = bias_grad_kernel.bias_gradient(q, k, v, do, lse, delta, scale, causal, mods)
+    if bias_grad and dbias is None:
+        dbias = torch.zeros_like(mods.attn_bias)
+    dsinks = None
+    if mods.sinks is not None:  # lse includes the sink, so exp(sink - lse) is its probability
+        p_sink = torch.exp(mods.sinks.float()[None, :, None] - lse)
+        dsinks = -(p_sink * delta).sum(dim=(0, 2)).to(mods.sinks.dtype)
+    if mods.varlen:
+        dq, dk, dv = dq[0], dk[0], dv[0]
+    return dq, dk, dv, dbias, dsinks
 
 
 def _descriptor(x, box_rows: int, box_heads: int, box_d: int):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, box_rows, box_heads, box_d])
 
 
-def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys) -> None:
+def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys,
+            mods: Mods = PLAIN) -> None:
     b, sq, hq, d = q.shape
     sk, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
@@ -292,8 +443,8 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
         HEAD_DIM_V=dv_dim, BLOCK_M=PREPROCESS_ROWS, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
     )
     common = dict(
-        GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_D=block_d, BLOCK_DV=block_dv, CAUSAL=causal,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
+        CAUSAL=causal and mods.band(causal) is None, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     strides_in = (
         q.stride(0), q.stride(1), q.stride(2),
@@ -301,6 +452,14 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
         v.stride(0), v.stride(1), v.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
     )
+    strides_dk = (dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2))
+    strides_dq, strides_lse = (dq.stride(0), dq.stride(1), dq.stride(2)), (lse.stride(0), lse.stride(1))
+    if mods.varlen:  # one sequence per batch entry: batch strides 0, each program moves its pointers
+        b, sq, sk = mods.cu_seqlens_q.shape[0] - 1, mods.max_seqlen_q, mods.max_seqlen_k
+        strides_in = tuple(0 if i % 3 == 0 else x for i, x in enumerate(strides_in))
+        strides_dk = tuple(0 if i % 3 == 0 else x for i, x in enumerate(strides_dk))
+        strides_dq, strides_lse = (0, *strides_dq[1:]), (0, strides_lse[1])
+    variants = variant_args(mods, causal, scale, b, hq, sq, sk)
     scalars = (sq, sk, hkv, scale * LOG2E, scale)
     t = cfg.dkdv
     q_arg, do_arg = q, do
@@ -308,20 +467,18 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
         q_arg = _descriptor(q, t.block_m // group, group, block_d)
         do_arg = _descriptor(do, t.block_m // group, group, block_dv)
     attention_bwd_dkdv_kernel[(triton.cdiv(sk, t.block_n), b * hkv)](
-        q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in,
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
-        lse.stride(0), lse.stride(1), *scalars, **common,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, num_warps=t.num_warps, num_stages=t.num_stages,
+        q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
+        **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )
     t = cfg.dq
     k_arg, v_arg = k, v
     if tma_keys:
         k_arg, v_arg = _descriptor(k, t.block_n, 1, block_d), _descriptor(v, t.block_n, 1, block_dv)
     attention_bwd_dq_kernel[(triton.cdiv(sq * group, t.block_m), b * hkv)](
-        q, k_arg, v_arg, do, lse, delta, dq, *strides_in,
-        dq.stride(0), dq.stride(1), dq.stride(2),
-        lse.stride(0), lse.stride(1), *scalars, **common,
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_keys, num_warps=t.num_warps, num_stages=t.num_stages,
+        q, k_arg, v_arg, do, lse, delta, dq, *strides_in, *strides_dq, *strides_lse, *scalars, **variants,
+        **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_keys, num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )
 
 
@@ -330,17 +487,12 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
 # training step composes with torch.compile.
 
 
-@torch.library.custom_op("onlineattn::attention_bwd", mutates_args=())
-def attention_bwd(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-    dlse: Optional[torch.Tensor], scale: float, causal: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return backward(do, q, k, v, o, lse, scale, causal, dlse)
+def _attention_bwd(do, q, k, v, o, lse, dlse, scale, causal, *mod_args):
+    mods, bias_grad = Mods.from_bwd_args(mod_args)
+    return op_outputs(gradients(do, q, k, v, o, lse, scale, causal, dlse, mods=mods, bias_grad=bias_grad), q)
 
 
-@attention_bwd.register_fake
-def _attention_bwd_fake(do, q, k, v, o, lse, dlse, scale, causal):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
+attention_bwd = torch.library.custom_op("onlineattn::attention_bwd", _attention_bwd, mutates_args=(),
+                                        schema=BWD_SCHEMA)
+attention_bwd.register_fake(fake_backward)
 attention_bwd.register_autograd(refuse_double_backward)

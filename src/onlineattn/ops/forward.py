@@ -16,8 +16,12 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..torch_impl import save_for_backward
-from ._common import LOG2E, finalize_state, key_range, online_softmax_step, packed_rows
+from .._mods import PLAIN, Mods, bias_4d
+from ..torch_impl import FWD_SCHEMA, autograd_formula, fake_forward, save_for_backward
+from ._common import (
+    LOG2E, band_key_range, finalize_state, keep_scale, key_range, online_softmax_step, packed_rows, score_mod,
+    sequence_bounds, variant_tuple, visible,
+)
 from ._configs import fwd_config
 
 
@@ -30,12 +34,20 @@ def attention_fwd_kernel(
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh,
     seqlen_q, seqlen_k, heads_kv, qk_scale,
+    # Score variants (onlineattn._mods), each read only under its flag; None or 0 otherwise. ``batch0`` is the
+    # first batch entry of this launch (dropout counts entries from the call's first).
+    CU_Q, CU_K, SLOPES, BIAS, SINKS, RNG,
+    stride_sb, stride_bb, stride_bh, stride_bi, stride_bj,
+    window_left, window_right, softcap_in, softcap_out, dropout_p, batch0,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    VARLEN: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
+    ALIBI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, SINK: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False,
 ):
     # Causal tiles near the bottom have the most key blocks: launch them first so the tail of the grid is short.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -43,6 +55,15 @@ def attention_fwd_kernel(
     pid_b = pid_bh // heads_kv  # int32 coordinate for tensor descriptors
     off_b = pid_b.to(tl.int64)  # int64 for pointer arithmetic: B·S·H·D may pass 2^31
     off_hkv = pid_bh % heads_kv
+    if VARLEN:  # packed sequences: batch strides are 0 and each pointer moves to its sequence's first row
+        q_start, k_start, seqlen_q, seqlen_k = sequence_bounds(CU_Q, CU_K, pid_b, seqlen_q, seqlen_k, VARLEN)
+        if pid_m * BLOCK_M >= seqlen_q * GROUP:  # the grid covers the longest sequence
+            return
+        Q += q_start.to(tl.int64) * stride_qs
+        O += q_start.to(tl.int64) * stride_os
+        LSE += q_start
+        K += k_start.to(tl.int64) * stride_ks
+        V += k_start.to(tl.int64) * stride_vs
 
     o_i, o_h, m_r = packed_rows(pid_m * BLOCK_M, off_hkv, seqlen_q, BLOCK_M, GROUP)
     o_d = tl.arange(0, BLOCK_D)
@@ -53,52 +74,96 @@ def attention_fwd_kernel(
 
     p_q = Q + off_b * stride_qb + o_i[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
-    if not USE_TMA:
+    if USE_TMA:  # the descriptors themselves (the pointers are unused)
+        p_kt = K
+        p_v = V
+    else:
         p_kt = K + off_b * stride_kb + off_hkv * stride_kh + o_n[None, :] * stride_ks + o_d[:, None]
         p_v = V + off_b * stride_vb + off_hkv * stride_vh + o_n[:, None] * stride_vs + o_dv[None, :]
 
-    full_hi, hi = key_range(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, GROUP, CAUSAL)
+    lo = 0
+    full_lo = 0
+    if WINDOW:  # masked [lo, full_lo), whole [full_lo, full_hi), masked [full_hi, hi)
+        lo, full_lo, full_hi, hi = band_key_range(pid_m * BLOCK_M, seqlen_q, seqlen_k, window_left, window_right,
+                                                  BLOCK_M, BLOCK_N, GROUP)
+    else:  # whole [0, full_hi), masked [full_hi, hi)
+        full_hi, hi = key_range(pid_m * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, BLOCK_N, GROUP, CAUSAL)
     diag = seqlen_k - seqlen_q  # query i sees key j when j <= i + diag
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    vargs = variant_tuple(SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_kv * GROUP,
+                          window_left, window_right, softcap_in, softcap_out, dropout_p, batch0)
+    if SINK:  # the sink is a first "key" with no value: it starts the running max and sum
+        m_i = tl.load(SINKS + o_h).to(tl.float32) * 1.4426950408889634
+        l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
 
-    for start_n in tl.range(0, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        if USE_TMA:  # K and V are [B, Sk, Hkv, D] tensor descriptors; the copy engine zero-fills past the end
-            b_kt = tl.trans(K.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_D))
-        else:
-            b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None], other=0.0)
-        qk = tl.dot(b_q, b_kt, input_precision=INPUT_PRECISION)
-        p, m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, qk_scale, MASKED=False)
-        if USE_TMA:
-            b_v = V.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_DV)
-        else:
-            b_v = tl.load(p_v + start_n * stride_vs, mask=m_dv[None, :], other=0.0)
-        acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
-
+    if WINDOW:
+        for start_n in range(lo, full_lo, BLOCK_N):
+            m_i, l_i, acc = _fwd_block(
+                start_n, b_q, m_i, l_i, acc, K, V, p_kt, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, m_dv, seqlen_k,
+                diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, INPUT_PRECISION,
+                USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+            )
+    for start_n in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        m_i, l_i, acc = _fwd_block(
+            start_n, b_q, m_i, l_i, acc, K, V, p_kt, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, m_dv, seqlen_k,
+            diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, INPUT_PRECISION,
+            USE_TMA, False, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+        )
     for start_n in range(full_hi, hi, BLOCK_N):
-        m_n = (start_n + o_n) < seqlen_k
-        if USE_TMA:
-            b_kt = tl.trans(K.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_D))
-        else:
-            b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None] & m_n[None, :], other=0.0)
-        qk = tl.dot(b_q, b_kt, input_precision=INPUT_PRECISION)
-        visible = m_n[None, :]
-        if CAUSAL:
-            visible = visible & ((start_n + o_n)[None, :] <= o_i[:, None] + diag)
-        qk = tl.where(visible, qk, float("-inf"))
-        p, m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, qk_scale, MASKED=True)
-        if USE_TMA:
-            b_v = V.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_DV)
-        else:
-            b_v = tl.load(p_v + start_n * stride_vs, mask=m_n[:, None] & m_dv[None, :], other=0.0)
-        acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
+        m_i, l_i, acc = _fwd_block(
+            start_n, b_q, m_i, l_i, acc, K, V, p_kt, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, m_dv, seqlen_k,
+            diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, INPUT_PRECISION,
+            USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+        )
 
     b_o, b_lse = finalize_state(m_i, l_i, acc)
     p_o = O + off_b * stride_ob + o_i[:, None] * stride_os + o_h[:, None] * stride_oh + o_dv[None, :]
     tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_r[:, None] & m_dv[None, :])
     tl.store(LSE + off_b * stride_lb + o_h * stride_lh + o_i, b_lse, mask=m_r)
+
+
+@triton.jit
+def _fwd_block(
+    start_n, b_q, m_i, l_i, acc, K, V, p_kt, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, m_dv, seqlen_k,
+    diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+):
+    """One key block ``[start_n, start_n + BLOCK_N)`` of the recurrence: scores, their variants, the visibility mask
+    when ``MASKED`` (the causal diagonal, the window's edges, the end of the keys), then ``acc += P V``."""
+    o_j = start_n + o_n
+    m_n = o_j < seqlen_k
+    if USE_TMA:  # K and V are [B, Sk, Hkv, D] tensor descriptors; the copy engine zero-fills past the end
+        b_kt = tl.trans(K.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_D))
+    elif MASKED:
+        b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None] & m_n[None, :], other=0.0)
+    else:
+        b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None], other=0.0)
+    qk = tl.dot(b_q, b_kt, input_precision=INPUT_PRECISION)
+    step_scale = qk_scale
+    if SOFTCAP or ALIBI or HAS_BIAS:  # logits in the log2 domain already
+        qk, _ = score_mod(qk, o_i[:, None], o_j[None, :], o_h[:, None], pid_b, m_r[:, None] & m_n[None, :], diag,
+                          qk_scale, vargs, SOFTCAP, ALIBI, HAS_BIAS)
+        step_scale = 1.0
+    if MASKED:
+        vis = visible(o_i[:, None], o_j[None, :], seqlen_k, diag, vargs, CAUSAL, WINDOW)
+        qk = tl.where(vis, qk, float("-inf"))
+    # A bias may hold -inf anywhere, so with one every block needs the masked step's guard.
+    p, m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, step_scale, MASKED=MASKED or HAS_BIAS)
+    if USE_TMA:
+        b_v = V.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_DV)
+    elif MASKED:
+        b_v = tl.load(p_v + start_n * stride_vs, mask=m_n[:, None] & m_dv[None, :], other=0.0)
+    else:
+        b_v = tl.load(p_v + start_n * stride_vs, mask=m_dv[None, :], other=0.0)
+    if DROPOUT:  # the normaliser counts every probability; the output only the kept ones, scaled up
+        p = p * keep_scale(o_i[:, None], o_j[None, :], o_h[:, None], pid_b, vargs)
+    acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
+    return m_i, l_i, acc
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -140,33 +205,67 @@ def batch_slices(batch: int, programs_per_entry: int):
     return [slice(b0, min(batch, b0 + per_launch)) for b0 in range(0, batch, per_launch)]
 
 
-def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, config=None):
+def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, config=None, mods: Mods = PLAIN):
     """Launch the kernel: ``q [B, Sq, Hq, D]``, ``k [B, Sk, Hkv, D]``, ``v [B, Sk, Hkv, Dv]`` (validated by the caller)
-    -> ``(o [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``. ``out``/``lse_out`` let tests pass pre-poisoned buffers;
-    ``config`` (a ``FwdConfig``) overrides the table, for the tile sweep.
+    -> ``(o [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``. With varlen ``mods`` the inputs are packed ``(total, H, D)``
+    and the outputs ``o [total_q, Hq, Dv]``, ``lse [Hq, total_q]``. ``out``/``lse_out`` let tests pass pre-poisoned
+    buffers; ``config`` (a ``FwdConfig``) overrides the table, for the tile sweep.
     """
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32; q has dtype {q.dtype}")
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
-    b, sq, hq, _ = q.shape
-    hkv, dv = k.shape[2], v.shape[3]
-    o = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device) if out is None else out
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse_out is None else lse_out
+    hq, hkv, dv = q.shape[-2], k.shape[-2], v.shape[-1]
+    rows = q.shape[:-2]  # (B, Sq), or (total_q,) packed
+    o = torch.empty((*rows, hq, dv), dtype=q.dtype, device=q.device) if out is None else out
+    lse_shape = (hq, q.shape[0]) if mods.varlen else (q.shape[0], hq, q.shape[1])
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if lse_out is None else lse_out
     if o.stride(-1) != 1 or lse.stride(-1) != 1:
         raise ValueError("out and lse_out must be contiguous in their last dim")
-    if b * sq * hq == 0:
+    if q.numel() == 0 or o.numel() == 0:
         return o, lse
-    if k.shape[1] == 0:  # no key at all: every row is empty (and a descriptor cannot have a zero-sized dim)
-        return o.zero_(), lse.fill_(float("-inf"))
-    cfg = config or fwd_config(q.shape[3], dv, q.dtype, causal, q.device.type)
+    if k.shape[-3] == 0:  # no key at all: every row is empty (and a descriptor cannot have a zero-sized dim)
+        o.zero_()
+        if mods.sinks is None:
+            return o, lse.fill_(float("-inf"))
+        return o, lse.copy_(mods.sinks.view(hq, 1) if mods.varlen else mods.sinks.view(1, hq, 1))  # lse = the sink
+    cfg = config or fwd_config(q.shape[-1], dv, q.dtype, causal, q.device.type)
+    if mods.varlen:  # one launch over packed [1, total, H, D] views; each program finds its sequence
+        use_tma = False  # a descriptor's bounds are the whole pack, not a sequence
+        q4, k4, v4, o4, lse3 = q[None], k[None], v[None], o[None], lse[None]
+        check_int32_offsets(q=q4[:, : mods.max_seqlen_q], k=k4[:, : mods.max_seqlen_k], v=v4[:, : mods.max_seqlen_k],
+                            o=o4[:, : mods.max_seqlen_q], lse=lse3)
+        _launch(q4, k4, v4, o4, lse3, scale, causal, cfg, use_tma, mods)
+        return o, lse
     use_tma = cfg.tma and _tma_ok(k, v)
     check_int32_offsets(q=q, o=o, lse=lse, **({} if use_tma else {"k": k, "v": v}))  # descriptors index K/V
-    for rows in batch_slices(b, hkv):
-        _launch(q[rows], k[rows], v[rows], o[rows], lse[rows], scale, causal, cfg, use_tma)
+    for batch in batch_slices(q.shape[0], hkv):
+        _launch(q[batch], k[batch], v[batch], o[batch], lse[batch], scale, causal, cfg, use_tma,
+                mods.batch_slice(batch))
     return o, lse
 
 
-def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool) -> None:
+def variant_args(mods: Mods, causal: bool, scale: float, b: int, hq: int, sq: int, sk: int) -> dict:
+    """The kernels' variant arguments for a launch over ``b`` batch entries: the flags, and the inputs each flag
+    reads (None or 0 where unused, so the plain kernels compile as they always have)."""
+    band = mods.band(causal)
+    slopes, bias, stride_sb, bias_strides = mods.alibi_slopes, mods.attn_bias, 0, (0, 0, 0, 0)
+    if slopes is not None and slopes.dim() == 2:
+        stride_sb = slopes.stride(0)
+    if bias is not None:  # a broadcast view of [B, Hq, Sq, Sk]: its zero strides repeat the broadcast dims
+        bias = bias_4d(bias).expand(b, hq, sq, sk)
+        bias_strides = bias.stride()
+    softcap = mods.softcap
+    return dict(
+        CU_Q=mods.cu_seqlens_q, CU_K=mods.cu_seqlens_k, SLOPES=slopes, BIAS=bias, SINKS=mods.sinks, RNG=mods.rng,
+        stride_sb=stride_sb, stride_bb=bias_strides[0], stride_bh=bias_strides[1], stride_bi=bias_strides[2],
+        stride_bj=bias_strides[3], window_left=band[0] if band else 0, window_right=band[1] if band else 0,
+        softcap_in=scale / softcap if softcap else 0.0, softcap_out=softcap * LOG2E, dropout_p=mods.dropout_p,
+        batch0=mods.batch0, VARLEN=mods.varlen, WINDOW=band is not None, SOFTCAP=softcap > 0,
+        ALIBI=slopes is not None, HAS_BIAS=bias is not None, SINK=mods.sinks is not None, DROPOUT=mods.dropout,
+    )
+
+
+def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mods: Mods = PLAIN) -> None:
     b, sq, hq, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
@@ -175,18 +274,22 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool) -> 
     if use_tma:
         k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, cfg.block_n, 1, block_d])
         v_arg = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, cfg.block_n, 1, block_dv])
+    if mods.varlen:  # the grid covers the longest sequence; batch strides are 0 (pointers move per sequence)
+        b, sq, sk = mods.cu_seqlens_q.shape[0] - 1, mods.max_seqlen_q, mods.max_seqlen_k
+        strides = (0, q.stride(1), q.stride(2), 0, k.stride(1), k.stride(2), 0, v.stride(1), v.stride(2),
+                   0, o.stride(1), o.stride(2), 0, lse.stride(1))
+    else:
+        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+                   v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+                   lse.stride(0), lse.stride(1))
     grid = (triton.cdiv(sq * group, cfg.block_m), b * hkv)
     attention_fwd_kernel[grid](
-        q, k_arg, v_arg, o, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
-        lse.stride(0), lse.stride(1),
+        q, k_arg, v_arg, o, lse, *strides,
         sq, sk, hkv, scale * LOG2E,
+        **variant_args(mods, causal, scale, b, hq, sq, sk),
         GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv,
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        CAUSAL=causal and mods.band(causal) is None, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -196,37 +299,34 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool) -> 
 # torch.library registration, so the kernel composes with autograd and torch.compile.
 
 
-@torch.library.custom_op("onlineattn::attention_fwd", mutates_args=())
-def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> tuple[
-    torch.Tensor, torch.Tensor
-]:
-    return forward(q, k, v, scale, causal)
+def _attention_fwd(q, k, v, scale, causal, *mod_args):
+    return forward(q, k, v, scale, causal, mods=Mods.from_op_args(mod_args))
 
 
-@attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, scale, causal):
-    b, sq, hq, _ = q.shape
-    return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
+attention_fwd = torch.library.custom_op("onlineattn::attention_fwd", _attention_fwd, mutates_args=(),
+                                        schema=FWD_SCHEMA)
+attention_fwd.register_fake(fake_forward)
 
 
-def _backward(ctx, do, dlse):
+def _backward_op(*args):
     from .backward import attention_bwd  # imported here: backward.py builds on this module's launcher helpers
 
-    q, k, v, o, lse = ctx.saved_tensors
-    dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, ctx.scale, ctx.causal)
-    return dq, dk, dv, None, None
+    return attention_bwd(*args)
 
 
-attention_fwd.register_autograd(_backward, setup_context=save_for_backward)
+attention_fwd.register_autograd(autograd_formula(_backward_op), setup_context=save_for_backward)
 
 
-def attention(q, k, v, scale: float, causal: bool):
+def attention(q, k, v, scale: float, causal: bool, mods: Mods = PLAIN):
     """Fused attention on the Triton path: ``(o, lse)``, differentiable.
 
     Through the custom op when autograd or torch.compile needs it; otherwise the launcher is called directly, which
     saves the dispatcher's Python overhead (tens of microseconds, as long as a whole small-shape kernel).
     """
-    needs_graph = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    tensors = (q, k, v, mods.attn_bias, mods.sinks)
+    needs_graph = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
     if needs_graph or torch.compiler.is_compiling():
-        return attention_fwd(q, k, v, scale, causal)
-    return forward(q, k, v, scale, causal)
+        if mods is PLAIN:
+            return attention_fwd(q, k, v, scale, causal)
+        return attention_fwd(q, k, v, scale, causal, *mods.op_args())
+    return forward(q, k, v, scale, causal, mods=mods)
