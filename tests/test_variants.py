@@ -226,6 +226,16 @@ def test_varlen_equals_attention_per_sequence(backend):
         start += n
 
 
+def test_varlen_beyond_the_grid_limit_launches_in_slices(monkeypatch):
+    """CUDA allows 65535 program columns; with a small stand-in limit the sequences launch in slices, and dropout and
+    ALiBi still count sequences from the call's first."""
+    from onlineattn.ops import forward as F
+
+    monkeypatch.setattr(F, "MAX_GRID_Y", 4)  # 2 kv heads -> 2 sequences per launch, 3 launches for 5
+    run_varlen(Case(causal=True, alibi=(5, 4), dropout_p=0.2, d=16, dv=16), [5, 0, 9, 3, 7], [6, 4, 9, 0, 7],
+               "triton", torch.float32, seed=12)
+
+
 # ---- the window's block skipping ------------------------------------------------------------------------------
 
 

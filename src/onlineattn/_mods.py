@@ -97,7 +97,11 @@ class Mods:
             slopes = slopes[batch]
         if bias is not None and bias_4d(bias).shape[0] != 1:
             bias = bias_4d(bias)[batch]
-        return replace(self, alibi_slopes=slopes, attn_bias=bias, batch0=batch.start or 0)
+        cu_q, cu_k = self.cu_seqlens_q, self.cu_seqlens_k
+        if self.varlen:  # the slice's offsets (still absolute into the packed tensors)
+            cu_q, cu_k = cu_q[batch.start : batch.stop + 1], cu_k[batch.start : batch.stop + 1]
+        return replace(self, alibi_slopes=slopes, attn_bias=bias, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                       batch0=batch.start or 0)
 
     def sequence(self, b: int) -> "Mods":
         """The mods of varlen sequence ``b`` as one batch entry (its ALiBi row; bias is not supported with varlen)."""

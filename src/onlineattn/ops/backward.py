@@ -402,15 +402,15 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
             lq, lk = slice(0, mods.max_seqlen_q), slice(0, mods.max_seqlen_k)
             check_int32_offsets(q=q[:, lq], k=k[:, lk], v=v[:, lk], o=o[:, lq], do=do[:, lq], dq=dq[:, lq],
                                 dk=dk[:, lk], dv=dv[:, lk], lse=lse)
-            _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, False, False, mods)
+            _preprocess(o, do, lse, dlse, delta)
+            for seqs in batch_slices(mods.cu_seqlens_q.shape[0] - 1, hkv):
+                _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, False, False, mods.batch_slice(seqs))
         else:
             check_int32_offsets(q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse)
             for rows in batch_slices(b, max(hq, hkv)):
-                _launch(
-                    do[rows], q[rows], k[rows], v[rows], o[rows], lse[rows], None if dlse is None else dlse[rows],
-                    delta[rows], dq[rows], dk[rows], dv[rows], scale, causal, cfg, tma_rows, tma_keys,
-                    mods.batch_slice(rows),
-                )
+                _preprocess(o[rows], do[rows], lse[rows], None if dlse is None else dlse[rows], delta[rows])
+                _launch(do[rows], q[rows], k[rows], v[rows], lse[rows], delta[rows], dq[rows], dk[rows], dv[rows],
+                        scale, causal, cfg, tma_rows, tma_keys, mods.batch_slice(rows))
         if bias_grad:
             dbias = bias_grad_kernel.bias_gradient(q, k, v, do, lse, delta, scale, causal, mods)
     if bias_grad and dbias is None:
@@ -428,20 +428,27 @@ def _descriptor(x, box_rows: int, box_heads: int, box_d: int):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, box_rows, box_heads, box_d])
 
 
-def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys,
-            mods: Mods = PLAIN) -> None:
-    b, sq, hq, d = q.shape
-    sk, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[3]
-    group = hq // hkv
-    block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv_dim))
+def _preprocess(o, do, lse, dlse, delta) -> None:
+    """``delta = rowsum(dO ∘ O) − dlse`` for o, do ``[B, Sq, Hq, Dv]`` into delta ``[B, Hq, Sq]`` (lse's layout)."""
+    b, sq, hq, dv_dim = o.shape
     attention_bwd_preprocess_kernel[(triton.cdiv(sq, PREPROCESS_ROWS), b * hq)](
         o, do, lse if dlse is None else dlse, delta,
         o.stride(0), o.stride(1), o.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
         delta.stride(0), delta.stride(1),
         sq, hq,
-        HEAD_DIM_V=dv_dim, BLOCK_M=PREPROCESS_ROWS, BLOCK_DV=block_dv, HAS_DLSE=dlse is not None,
+        HEAD_DIM_V=dv_dim, BLOCK_M=PREPROCESS_ROWS, BLOCK_DV=max(16, triton.next_power_of_2(dv_dim)),
+        HAS_DLSE=dlse is not None,
     )
+
+
+def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys, mods: Mods = PLAIN) -> None:
+    """The dK/dV and dQ kernels over q ``[B, Sq, Hq, D]`` (with varlen ``mods``: packed ``[1, total, H, D]`` views,
+    one program column per sequence and kv head)."""
+    b, sq, hq, d = q.shape
+    sk, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[3]
+    group = hq // hkv
+    block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv_dim))
     common = dict(
         GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
         CAUSAL=causal and mods.band(causal) is None, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

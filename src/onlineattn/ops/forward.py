@@ -234,7 +234,8 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
         q4, k4, v4, o4, lse3 = q[None], k[None], v[None], o[None], lse[None]
         check_int32_offsets(q=q4[:, : mods.max_seqlen_q], k=k4[:, : mods.max_seqlen_k], v=v4[:, : mods.max_seqlen_k],
                             o=o4[:, : mods.max_seqlen_q], lse=lse3)
-        _launch(q4, k4, v4, o4, lse3, scale, causal, cfg, use_tma, mods)
+        for seqs in batch_slices(mods.cu_seqlens_q.shape[0] - 1, hkv):
+            _launch(q4, k4, v4, o4, lse3, scale, causal, cfg, use_tma, mods.batch_slice(seqs))
         return o, lse
     use_tma = cfg.tma and _tma_ok(k, v)
     check_int32_offsets(q=q, o=o, lse=lse, **({} if use_tma else {"k": k, "v": v}))  # descriptors index K/V
