@@ -112,17 +112,10 @@ def page_and_slot(BLOCK_TABLE, off_bt, off_b, pos, mask, PAGE_SIZE: tl.constexpr
 # ---- score variants (issue #6; onlineattn._mods has their definitions) ---------------------------------------------
 # Index arguments ``i`` (query), ``j`` (key) and ``h`` (query head) are blocks that broadcast against the score tile,
 # so the same helper serves a tile ``[rows, keys]`` and its transpose ``[keys, rows]`` (the dK/dV kernel's).
-# The kernels pass the variants' runtime arguments as one tuple ``vargs`` (``variant_tuple`` builds it), read only
-# under their constexpr flags:
+# The kernels pass the variants' runtime arguments as one tuple ``vargs``, read only under their constexpr flags:
 #   (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_q, window_left, window_right,
 #    softcap_in, softcap_out, dropout_p, batch0)
-
-
-@triton.jit
-def variant_tuple(SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_q, window_left,
-                  window_right, softcap_in, softcap_out, dropout_p, batch0):
-    return (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_q, window_left,
-            window_right, softcap_in, softcap_out, dropout_p, batch0)
+# built as a tuple literal in each kernel (a jit function cannot return the None that unused pointers are).
 
 
 @triton.jit
@@ -194,11 +187,11 @@ def band_row_range(start_n, seqlen_q, seqlen_k, window_left, window_right, BLOCK
 
 
 @triton.jit
-def visible(i, j, seqlen_k, diag, vargs, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
-    """True where query i sees key j: inside the keys, then bottom-right causal or inside the window."""
+def visible(i, j, m_j, diag, vargs, CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
+    """True where query i sees key j: ``m_j`` (j inside the keys), then bottom-right causal or inside the window."""
     (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_q, window_left, window_right,
      softcap_in, softcap_out, dropout_p, batch0) = vargs
-    vis = j < seqlen_k
+    vis = m_j
     if CAUSAL:
         vis = vis & (j <= i + diag)
     if WINDOW:
@@ -268,7 +261,7 @@ def bwd_probs(s, i, j, h, b, m_ij, lse, seqlen_k, diag, qk_scale, vargs, CAUSAL:
     else:
         x = s * qk_scale
     if MASKED:
-        x = tl.where(visible(i, j, seqlen_k, diag, vargs, CAUSAL, WINDOW), x, float("-inf"))
+        x = tl.where(visible(i, j, j < seqlen_k, diag, vargs, CAUSAL, WINDOW), x, float("-inf"))
     p = tl.math.exp2(x - lse)
     keep = p
     if DROPOUT:

@@ -28,7 +28,7 @@ from .._mods import PLAIN, Mods
 from ..torch_impl import BWD_SCHEMA, fake_backward, op_outputs, refuse_double_backward
 from . import bias_grad as bias_grad_kernel
 from ._common import (
-    LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, sequence_bounds, variant_tuple,
+    LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, sequence_bounds,
 )
 from ._configs import bwd_config
 from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, variant_args
@@ -112,8 +112,8 @@ def attention_bwd_dkdv_kernel(
         V += k_start.to(tl.int64) * stride_vs
         DK += k_start.to(tl.int64) * stride_dks
         DV += k_start.to(tl.int64) * stride_dvs
-    vargs = variant_tuple(SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_kv * GROUP,
-                          window_left, window_right, softcap_in, softcap_out, dropout_p, batch0)
+    vargs = (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_kv * GROUP,
+             window_left, window_right, softcap_in, softcap_out, dropout_p, batch0)
     start_n = pid_n * BLOCK_N
     o_n = start_n + tl.arange(0, BLOCK_N)
     o_d = tl.arange(0, BLOCK_D)
@@ -275,8 +275,8 @@ def attention_bwd_dq_kernel(
         p_k = K + off_b * stride_kb + off_hkv * stride_kh + o_n[:, None] * stride_ks + o_d[None, :]
         p_v = V + off_b * stride_vb + off_hkv * stride_vh + o_n[:, None] * stride_vs + o_dv[None, :]
     b_dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    vargs = variant_tuple(SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_kv * GROUP,
-                          window_left, window_right, softcap_in, softcap_out, dropout_p, batch0)
+    vargs = (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_kv * GROUP,
+             window_left, window_right, softcap_in, softcap_out, dropout_p, batch0)
 
     # The forward's key range: unmasked blocks every row sees whole, then the diagonal and the tail, masked (and with
     # a window, the masked blocks of its left edge first).

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from .._mods import Mods, bias_4d
-from ._common import LOG2E, bwd_probs, variant_tuple
+from ._common import LOG2E, bwd_probs
 from ._configs import bias_grad_config
 
 
@@ -71,8 +71,8 @@ def attention_bwd_dbias_kernel(
     if SUM_KEYS:
         n_lo = 0
         n_hi = seqlen_k
-    vargs = variant_tuple(SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_q,
-                          window_left, window_right, softcap_in, softcap_out, dropout_p, batch0)
+    vargs = (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_q,
+             window_left, window_right, softcap_in, softcap_out, dropout_p, batch0)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for bb in range(0, sum_b):
         off_b = (g_b + bb).to(tl.int64)

@@ -20,7 +20,7 @@ from .._mods import PLAIN, Mods, bias_4d
 from ..torch_impl import FWD_SCHEMA, autograd_formula, fake_forward, save_for_backward
 from ._common import (
     LOG2E, band_key_range, finalize_state, keep_scale, key_range, online_softmax_step, packed_rows, score_mod,
-    sequence_bounds, variant_tuple, visible,
+    sequence_bounds, visible,
 )
 from ._configs import fwd_config
 
@@ -93,8 +93,8 @@ def attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    vargs = variant_tuple(SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_kv * GROUP,
-                          window_left, window_right, softcap_in, softcap_out, dropout_p, batch0)
+    vargs = (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_kv * GROUP,
+             window_left, window_right, softcap_in, softcap_out, dropout_p, batch0)
     if SINK:  # the sink is a first "key" with no value: it starts the running max and sum
         m_i = tl.load(SINKS + o_h).to(tl.float32) * 1.4426950408889634
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
@@ -150,7 +150,7 @@ def _fwd_block(
                           qk_scale, vargs, SOFTCAP, ALIBI, HAS_BIAS)
         step_scale = 1.0
     if MASKED:
-        vis = visible(o_i[:, None], o_j[None, :], seqlen_k, diag, vargs, CAUSAL, WINDOW)
+        vis = visible(o_i[:, None], o_j[None, :], m_n[None, :], diag, vargs, CAUSAL, WINDOW)
         qk = tl.where(vis, qk, float("-inf"))
     # A bias may hold -inf anywhere, so with one every block needs the masked step's guard.
     p, m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, step_scale, MASKED=MASKED or HAS_BIAS)

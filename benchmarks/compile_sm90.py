@@ -1,0 +1,179 @@
+"""Compile the Triton kernels for sm_90 on a machine without a GPU, and compare the plain kernels with a base commit.
+
+Triton ships ptxas, so its whole pipeline (TTIR -> TTGIR -> PTX -> cubin) runs on a CPU once the active driver reports
+an sm_90 target; the launchers are called as usual, with every launch turned into a compile-only warm-up.
+
+    python benchmarks/compile_sm90.py --base 6ed21b2      # plain kernels: PTX and SASS of HEAD's tree vs the base's
+    python benchmarks/compile_sm90.py --variants           # every score variant compiles, with its shared memory
+
+The comparison ignores debug info, labels and parameter declarations (new unused parameters are expected), so
+"identical" means the same PTX instructions in the same order; SASS is compared as nvdisasm prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAIN_CASES = [(d, causal, dtype) for d in (64, 128, 256) for causal in (False, True) for dtype in ("bfloat16",)]
+PLAIN_CASES += [(128, True, "float32"), (128, True, "float16")]
+
+
+def _compile_only(src: str):
+    """Import onlineattn from ``src`` with launches turned into sm_90 compiles; return (module, list of compiled)."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    sys.path.insert(0, src)
+    import torch  # noqa: F401
+    import triton
+    import triton.runtime.jit as jit
+    from triton.backends.compiler import GPUTarget
+
+    class Sm90:
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 0
+
+    triton.runtime.driver.set_active(Sm90())
+    compiled = []
+    run = jit.JITFunction.run
+
+    def warmup_only(self, *args, grid, warmup, **kwargs):
+        kernel = run(self, *args, grid=grid, warmup=True, **kwargs)
+        compiled.append((self.fn.__name__, kernel))
+        return kernel
+
+    jit.JITFunction.run = warmup_only
+    return compiled
+
+
+def _inputs(d, dtype, b=2, sq=1024, sk=1024, hq=8, hkv=2):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    make = lambda *shape: torch.randn(*shape, generator=g).to(getattr(torch, dtype))
+    return make(b, sq, hq, d), make(b, sk, hkv, d), make(b, sk, hkv, d), make(b, sq, hq, d)
+
+
+def _dump(compiled, out: Path, tag: str) -> None:
+    for i, (name, kernel) in enumerate(compiled):
+        (out / f"{tag}-{i}-{name}.ptx").write_text(kernel.asm["ptx"])
+        (out / f"{tag}-{i}-{name}.cubin").write_bytes(kernel.asm["cubin"])
+        print(f"{tag:28} {name:34} shared {kernel.metadata.shared:7d} B", flush=True)
+    compiled.clear()
+
+
+def compile_plain(src: str, out: Path) -> None:
+    compiled = _compile_only(src)
+    import torch
+    from onlineattn.ops import _configs as C
+    from onlineattn.ops import backward as B
+    from onlineattn.ops import forward as F
+
+    for d, causal, dtype in PLAIN_CASES:
+        q, k, v, do = _inputs(d, dtype)
+        dt = getattr(torch, dtype)
+        o, _ = F.forward(q, k, v, d**-0.5, causal, config=C.fwd_config(d, d, dt, causal, "cuda"))
+        B.backward(do, q, k, v, o, torch.randn(2, 8, 1024), d**-0.5, causal, config=C.bwd_config(d, d, dt, "cuda"))
+        _dump(compiled, out, f"{dtype}-d{d}-causal{int(causal)}")
+
+
+def compile_variants(src: str, out: Path) -> None:
+    compiled = _compile_only(src)
+    import torch
+    from onlineattn._mods import Mods
+    from onlineattn.dropout import draw_rng_state
+    from onlineattn.ops import _configs as C
+    from onlineattn.ops import backward as B
+    from onlineattn.ops import bias_grad
+    from onlineattn.ops import forward as F
+
+    bias_grad.bias_grad_config = lambda d, dtype, device: C.bias_grad_config(d, dtype, "cuda")
+    for dtype in ("bfloat16", "float16", "float32"):
+        dt = getattr(torch, dtype)
+        for d in (64, 128, 256):
+            q, k, v, do = _inputs(d, dtype, sq=1000, sk=1300)
+            cfg_f, cfg_b = C.fwd_config(d, d, dt, True, "cuda"), C.bwd_config(d, d, dt, "cuda")
+            everything = Mods(300, 0, 15.0, torch.rand(2, 8), torch.randn(1, 8, 1, 1300).to(dt),
+                              torch.randn(8).to(dt), 0.1, draw_rng_state(torch.Generator()))
+            cu = torch.tensor([0, 500, 500, 1000], dtype=torch.int32)
+            varlen = Mods(64, 0, 0.0, None, None, torch.randn(8).to(dt), 0.0, None, cu, cu, 500, 500)
+            for tag, mods, packed in (("all", everything, False), ("varlen-window-sinks", varlen, True)):
+                args = (q[0], k[0, :1000], v[0, :1000], do[0]) if packed else (q, k, v, do)
+                lse = torch.randn(8, 1000) if packed else torch.randn(2, 8, 1000)
+                o, _ = F.forward(*args[:3], d**-0.5, True, mods=mods, config=cfg_f)
+                B.gradients(args[3], *args[:3], o, lse, d**-0.5, True, mods=mods, config=cfg_b,
+                            bias_grad=mods.attn_bias is not None)
+                _dump(compiled, out, f"{tag}-{dtype}-d{d}")
+
+
+def _ptx_body(text: str) -> list[str]:
+    text = re.split(r"\.section\s+\.debug", text)[0]
+    lines = []
+    for line in text.splitlines():
+        s = line.strip()
+        if not s or s.startswith((".loc", ".file", "//", ".param")) or "ld.param" in s or re.match(r"\$L__tmp\d+:", s):
+            continue
+        lines.append(re.sub(r"\$L__tmp\d+", "$L__tmp", s))
+    return lines
+
+
+def _sass(cubin: Path) -> list[str]:
+    import triton
+
+    nvdisasm = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    text = subprocess.run([str(nvdisasm), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return [re.sub(r"/\*[0-9a-f]+\*/", "", s).strip() for s in text.splitlines() if re.match(r"\s*/\*[0-9a-f]+\*/", s)]
+
+
+def compare(base: Path, head: Path) -> int:
+    different = 0
+    for ptx in sorted(base.glob("*.ptx")):
+        other = head / ptx.name
+        same_ptx = _ptx_body(ptx.read_text()) == _ptx_body(other.read_text())
+        same_sass = _sass(ptx.with_suffix(".cubin")) == _sass(other.with_suffix(".cubin"))
+        different += not (same_ptx and same_sass)
+        print(f"{ptx.stem:58} PTX {'identical' if same_ptx else 'DIFFERS'}, SASS {'identical' if same_sass else 'differs'}")
+    return different
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base", help="commit whose plain kernels HEAD's working tree is compared with")
+    p.add_argument("--variants", action="store_true", help="compile every score variant instead")
+    p.add_argument("--worker", nargs=3, metavar=("KIND", "SRC", "OUT"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        kind, src, out = args.worker
+        (compile_plain if kind == "plain" else compile_variants)(src, Path(out))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        env = {**os.environ, "TRITON_CACHE_DIR": str(tmp / "cache"), "PYTHONDONTWRITEBYTECODE": "1"}
+        worker = lambda kind, src, out: subprocess.run(
+            [sys.executable, __file__, "--worker", kind, str(src), str(out)], env=env, check=True)
+        if args.variants:
+            (tmp / "variants").mkdir()
+            worker("variants", ROOT / "src", tmp / "variants")
+            return 0
+        if not args.base:
+            p.error("give --base COMMIT or --variants")
+        subprocess.run(f"git -C {ROOT} archive {args.base} src | tar -x -C {tmp}", shell=True, check=True)
+        for name, src in (("base", tmp / "src"), ("head", ROOT / "src")):
+            (tmp / name).mkdir()
+            worker("plain", src, tmp / name)
+        return 1 if compare(tmp / "base", tmp / "head") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
