@@ -157,10 +157,12 @@ def test_bias_gradient_reduces_over_broadcast_dims(shape, backend, dtype):
 
 
 def test_bias_without_grad_and_non_contiguous_inputs():
-    """A bias that needs no gradient gets none; q, k, v as strided views."""
+    """A bias that needs no gradient gets none; q, k, v, ALiBi slopes and sinks as strided views."""
     case = Case(bias=(2, 4, 17, 23), window=(3, 3))
     q, k, v, do, kw, oracle = _inputs(case, torch.float32, DEVICE, seed=3)
     kw["attn_bias"] = kw["attn_bias"].detach()
+    oracle["alibi_slopes"] = kw["alibi_slopes"] = torch.rand(2, 8, device=DEVICE)[:, ::2]
+    oracle["sinks"] = kw["sinks"] = torch.randn(8, device=DEVICE)[1::2]
     q2 = q.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()  # [B, S, H, D] view of [B, H, S, D]
     assert not q2.is_contiguous()
     o = onlineattn.attention(q2, k, v, backend="triton", **kw)

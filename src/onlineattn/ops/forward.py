@@ -250,6 +250,8 @@ def variant_args(mods: Mods, causal: bool, scale: float, b: int, hq: int, sq: in
     reads (None or 0 where unused, so the plain kernels compile as they always have)."""
     band = mods.band(causal)
     slopes, bias, stride_sb, bias_strides = mods.alibi_slopes, mods.attn_bias, 0, (0, 0, 0, 0)
+    contiguous = lambda x: None if x is None else x.contiguous()  # the kernels index heads and offsets with stride 1
+    slopes, sinks, cu_q, cu_k = (contiguous(x) for x in (slopes, mods.sinks, mods.cu_seqlens_q, mods.cu_seqlens_k))
     if slopes is not None and slopes.dim() == 2:
         stride_sb = slopes.stride(0)
     if bias is not None:  # a broadcast view of [B, Hq, Sq, Sk]: its zero strides repeat the broadcast dims
@@ -257,7 +259,7 @@ def variant_args(mods: Mods, causal: bool, scale: float, b: int, hq: int, sq: in
         bias_strides = bias.stride()
     softcap = mods.softcap
     return dict(
-        CU_Q=mods.cu_seqlens_q, CU_K=mods.cu_seqlens_k, SLOPES=slopes, BIAS=bias, SINKS=mods.sinks, RNG=mods.rng,
+        CU_Q=cu_q, CU_K=cu_k, SLOPES=slopes, BIAS=bias, SINKS=sinks, RNG=mods.rng,
         stride_sb=stride_sb, stride_bb=bias_strides[0], stride_bh=bias_strides[1], stride_bi=bias_strides[2],
         stride_bj=bias_strides[3], window_left=band[0] if band else 0, window_right=band[1] if band else 0,
         softcap_in=scale / softcap if softcap else 0.0, softcap_out=softcap * LOG2E, dropout_p=mods.dropout_p,
