@@ -248,6 +248,8 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
 def variant_args(mods: Mods, causal: bool, scale: float, b: int, hq: int, sq: int, sk: int) -> dict:
     """The kernels' variant arguments for a launch over ``b`` batch entries: the flags, and the inputs each flag
     reads (None or 0 where unused, so the plain kernels compile as they always have)."""
+    if mods is PLAIN:
+        return _PLAIN_ARGS
     band = mods.band(causal)
     slopes, bias, stride_sb, bias_strides = mods.alibi_slopes, mods.attn_bias, 0, (0, 0, 0, 0)
     contiguous = lambda x: None if x is None else x.contiguous()  # the kernels index heads and offsets with stride 1
@@ -266,6 +268,15 @@ def variant_args(mods: Mods, causal: bool, scale: float, b: int, hq: int, sq: in
         batch0=mods.batch0, VARLEN=mods.varlen, WINDOW=band is not None, SOFTCAP=softcap > 0,
         ALIBI=slopes is not None, HAS_BIAS=bias is not None, SINK=mods.sinks is not None, DROPOUT=mods.dropout,
     )
+
+
+_PLAIN_ARGS = {  # what variant_args gives without variants, built once: the plain launch pays no Python for them
+    **{name: None for name in ("CU_Q", "CU_K", "SLOPES", "BIAS", "SINKS", "RNG")},
+    **{name: 0 for name in ("stride_sb", "stride_bb", "stride_bh", "stride_bi", "stride_bj", "window_left",
+                            "window_right", "batch0")},
+    **{name: 0.0 for name in ("softcap_in", "softcap_out", "dropout_p")},
+    **{name: False for name in ("VARLEN", "WINDOW", "SOFTCAP", "ALIBI", "HAS_BIAS", "SINK", "DROPOUT")},
+}
 
 
 def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mods: Mods = PLAIN) -> None:
