@@ -151,6 +151,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
     Raises:
         NotImplementedError: naming ``onlineattn.attention_varlen`` until issue #6 adds it.
+
+    Example (runs once issue #6 has added ``attention_varlen``; until then it raises NotImplementedError):
+        >>> import torch
+        >>> from onlineattn.compat import flash_attn
+        >>> cu = torch.tensor([0, 3, 10], dtype=torch.int32)          # two sequences: 3 and 7 tokens
+        >>> q, k, v = torch.randn(10, 4, 16), torch.randn(10, 2, 16), torch.randn(10, 2, 16)
+        >>> flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True).shape  # doctest: +SKIP
+        torch.Size([10, 4, 16])
     """
     varlen = _attention_varlen()
     kwargs = dict(causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, return_lse=True)
@@ -164,7 +172,15 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
                                      return_attn_probs=False):
     """flash-attn's ``flash_attn_varlen_qkvpacked_func``: ``qkv [total, 3, heads, head_dim]``; as
-    ``flash_attn_varlen_func`` with one set of lengths."""
+    ``flash_attn_varlen_func`` with one set of lengths.
+
+    Example (once issue #6 has added ``attention_varlen``):
+        >>> import torch
+        >>> from onlineattn.compat import flash_attn
+        >>> qkv, cu = torch.randn(10, 3, 4, 16), torch.tensor([0, 3, 10], dtype=torch.int32)
+        >>> flash_attn.flash_attn_varlen_qkvpacked_func(qkv, cu, 7).shape  # doctest: +SKIP
+        torch.Size([10, 4, 16])
+    """
     q, k, v = qkv.unbind(dim=1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
                                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
@@ -174,7 +190,15 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn's ``flash_attn_varlen_kvpacked_func``: ``kv [total_k, 2, heads_kv, head_dim]``; as
-    ``flash_attn_varlen_func``."""
+    ``flash_attn_varlen_func``.
+
+    Example (once issue #6 has added ``attention_varlen``):
+        >>> import torch
+        >>> from onlineattn.compat import flash_attn
+        >>> q, kv, cu = torch.randn(10, 4, 16), torch.randn(10, 2, 2, 16), torch.tensor([0, 3, 10], dtype=torch.int32)
+        >>> flash_attn.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 7, 7).shape  # doctest: +SKIP
+        torch.Size([10, 4, 16])
+    """
     k, v = kv.unbind(dim=1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
