@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from onlineattn.bench import memory as M
 from onlineattn.bench.rows import CPU_OUT
@@ -21,6 +22,7 @@ def test_options_parse():
 
 
 @pytest.mark.skipif(not M.cpu_peak_supported(), reason="CPU peak memory needs Linux's /proc/self/clear_refs")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA, bench memory measures the GPU; this checks CPU rows")
 def test_cpu_rows_show_the_textbook_holding_its_scores(tmp_path):
     out = tmp_path / "rows.jsonl"
     n, heads = 1024, 2
