@@ -44,6 +44,13 @@ def test_latest_takes_the_last_commit_and_its_last_row(results):
     assert Rp.commits(rows, "fwd") == ["aaa", "bbb"] and Rp.latest(rows, "bwd") == (None, [])
 
 
+def test_latest_prefers_the_last_full_grid_over_a_later_quick_run(results):
+    rows = Rp.load(results[0]) + [_row("ccc", "fwd", "onlineattn", 1024, 999.0)]  # one point, measured last
+    commit, now = Rp.latest(rows, "fwd")
+    assert commit == "bbb" and len(now) == 4
+    assert Rp.latest(rows, "fwd", "ccc")[0] == "ccc"
+
+
 def test_report_writes_plots_and_tables(results, tmp_path):
     out = tmp_path / "report"
     written = Rp.run(*results[:1], out_dir=out, memory_results=results[1])

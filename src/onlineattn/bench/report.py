@@ -42,12 +42,19 @@ def _shape(row: dict) -> tuple:
 
 
 def latest(rows: list[dict], op: str, commit: str | None = None) -> tuple[str | None, list[dict]]:
-    """``(commit, rows)``: the rows of ``op`` from ``commit`` (default: the commit of the last such row), one per
-    (provider, shape), the last measured winning."""
+    """``(commit, rows)``: the rows of ``op`` from ``commit``, one per (provider, shape), the last measured winning.
+    By default the commit is the latest of those that measured the most onlineattn shapes, so a later ``--quick``
+    run of a few points does not hide the last full grid."""
     mine = [r for r in rows if r["op"] == op]
     if not mine:
         return None, []
-    commit = commit or mine[-1]["commit"]
+    if commit is None:
+        coverage = {}
+        for r in mine:  # dicts keep first-appearance order; a commit measured again moves to the end
+            shapes = coverage.pop(r["commit"], set())
+            coverage[r["commit"]] = shapes | ({_shape(r)} if r["provider"] == "onlineattn" else set())
+        most = max(len(s) for s in coverage.values())
+        commit = [c for c, s in coverage.items() if len(s) == most][-1]
     last = {(r["provider"], _shape(r)): r for r in mine if r["commit"] == commit}
     return commit, list(last.values())
 
