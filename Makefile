@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-build-isolation -e '.[dev,plots]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[dev,plots,transformers,models,bench]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -131,13 +131,16 @@ def _add_info_parser(subparsers) -> None:
 
 def _add_bench_parser(subparsers) -> None:
     """Register ``bench`` and its subcommands; each module under ``bench/`` adds its own parser."""
-    from .bench import decode, long, prefill
+    from .bench import decode, long, memory, prefill, report
 
     p = subparsers.add_parser("bench", help="benchmark against SDPA's backends in the same run (needs CUDA)")
-    bench_commands = p.add_subparsers(dest="bench_command", required=True, metavar="{prefill,decode,long}")
+    bench_commands = p.add_subparsers(dest="bench_command", required=True,
+                                      metavar="{prefill,decode,long,memory,report}")
     prefill.add_parser(bench_commands)
     decode.add_parser(bench_commands)
     long.add_parser(bench_commands)
+    memory.add_parser(bench_commands)
+    report.add_parser(bench_commands)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,7 +1,57 @@
-"""`onlineattn bench prefill`: the command line and the FLOPs it counts (timings need the GPU)."""
+"""`onlineattn bench prefill`: the command line, the peers it knows and how it leaves out those it cannot set up (the
+timings need the GPU)."""
 
+import pytest
+import torch
+
+from onlineattn import attention
 from onlineattn.bench import prefill as P
 from onlineattn.cli import build_parser
+
+
+def test_defaults_measure_every_peer_on_the_grid():
+    args = build_parser().parse_args(["bench", "prefill"])
+    assert args.func is P.main and args.d is None and args.n is None and args.mode == "fwd"
+    assert args.providers == ["onlineattn", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex",
+                              "flash-attn", "flash-attn-cute"]
+    assert (P.HEAD_DIMS, P.SEQLENS) == ((64, 128, 256), (512, 1024, 2048, 4096, 8192, 16384))
+    assert len(P.grid()) == 36 and all(c.b * c.n == 16384 and c.h * c.d == 2048 for c in P.grid())
+
+
+def test_quick_is_d128_at_two_lengths():
+    args = build_parser().parse_args(["bench", "prefill", "--quick", "--mode", "all", "--providers", "onlineattn",
+                                      "flex", "--no-write"])
+    assert args.quick and args.providers == ["onlineattn", "flex"] and args.no_write
+    assert (P.QUICK_HEAD_DIMS, P.QUICK_SEQLENS) == ((128,), (1024, 8192))
+
+
+def test_flops_halve_for_causal():
+    full, causal = P.Case(2, 16, 8192, 128, False), P.Case(2, 16, 8192, 128, True)
+    assert full.flops("fwd") == 4 * 2 * 16 * 8192 * 8192 * 128 == 2 * causal.flops("fwd")
+    assert full.flops("bwd") == 2.5 * full.flops("fwd") and full.flops("fwdbwd") == 3.5 * full.flops("fwd")
+
+
+def test_unavailable_peers_are_named_and_left_out(monkeypatch, capsys):
+    def missing():
+        raise ImportError("No module named 'flash_attn'")
+
+    monkeypatch.setitem(P.PROVIDER_SETUPS, "flash-attn", missing)
+    found = P.available(["onlineattn", "flash-attn", "sdpa-math"])
+    assert list(found) == ["onlineattn", "sdpa-math"] and all(callable(fn) for fn in found.values())
+    assert "flash-attn: not available (ImportError: No module named 'flash_attn')" in capsys.readouterr().out
+
+
+def test_sdpa_math_peer_computes_attention():
+    """The peers take onlineattn's [B, S, H, D] layout; math SDPA (runs anywhere) equals our result."""
+    q, k, v = (torch.randn(1, 33, 2, 16, dtype=torch.float64) for _ in range(3))
+    got = P.available(["sdpa-math"])["sdpa-math"](q, k, v, True)
+    assert got.shape == q.shape and torch.allclose(got, attention(q, k, v, causal=True), atol=1e-12)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed where CUDA is absent")
+def test_without_cuda_it_says_so(capsys):
+    args = build_parser().parse_args(["bench", "prefill", "--quick"])
+    assert args.func(args) == 2 and "needs a CUDA device" in capsys.readouterr().out
 
 
 def test_window_option_parses():

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from .progress import Progress
 from .rows import add_output_options, append_rows, environment
 
 BATCHES = (1, 16, 64)
@@ -133,16 +134,18 @@ def run(cases, names, *, out: Path | None, commit: str | None = None, dtype=torc
     suffix = "+graph" if cuda_graph else ""
     rows = []
     print(f"{'B':>3} {'L':>7} " + " ".join(f"{n + suffix:>22}" for n in names))
+    bar = Progress(len(cases) * len(names), "decode")
     for case in cases:
         cells = []
         for name in names:
+            bar.step(f"B={case.b} L={case.length} {name}")
             fn = None
             try:
                 fn = setups[name](case, dtype, page_size)
                 ms = _time(fn, cuda_graph)
             except RuntimeError as err:  # out of memory, an SDPA backend refusing the shape, a failed capture
                 cells.append(f"{'n/a':>22}")
-                print(f"  {name} {case}: {str(err).splitlines()[0][:120]}")
+                bar.print(f"  {name} {case}: {str(err).splitlines()[0][:120]}")
                 continue
             finally:
                 del fn
@@ -154,7 +157,8 @@ def run(cases, names, *, out: Path | None, commit: str | None = None, dtype=torc
                 "B": case.b, "Hq": case.hq, "Hkv": case.hkv, "Sq": 1, "Sk": case.length, "d": case.d,
                 "causal": False, "ms": round(ms, 5), "tbps": round(tbps, 3),
             })
-        print(f"{case.b:3} {case.length:7} " + " ".join(cells))
+        bar.print(f"{case.b:3} {case.length:7} " + " ".join(cells))
+    bar.close()
     append_rows(out, rows)
     return rows
 

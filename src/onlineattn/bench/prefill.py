@@ -1,8 +1,12 @@
-"""`onlineattn bench prefill`: time attention on the peers' grid, with SDPA's backends measured in the same run.
+"""`onlineattn bench prefill`: time attention on the peers' grid, with the peers measured in the same run.
 
 Grid (``../shared/anchors/h200-peers.md``): d ∈ {64, 128, 256}, N ∈ {512 … 16384}, B·N = 16384 tokens, H·d = 2048,
 causal and not, bf16. FLOPs: forward 4·B·H·Sq·Sk·d, halved for causal when Sq = Sk (backward is 2.5× forward).
-Each measurement becomes one JSON line (ENGINEERING.md section 5).
+Each measurement becomes one JSON line (ENGINEERING.md section 5). ``--quick`` measures d = 128 at N ∈ {1024, 8192}.
+
+Peers: SDPA's flash, cuDNN, efficient and math backends; FlexAttention (``torch.compile``d once, recompiled once per
+shape under a raised recompile limit; a compile that fails or would fall back to eager gives no row); ``flash_attn``
+and ``flash_attn.cute`` where importable. A provider that cannot be set up here is named and left out of the run.
 
 ``--window W`` adds the provider ``onlineattn-windowW``: causal sliding-window attention where each query sees its W
 latest keys, itself included (``window_size=(W - 1, 0)``), timed in the same run as the full causal rows. Its rows
@@ -17,11 +21,14 @@ from pathlib import Path
 
 import torch
 
+from .progress import Progress
 from .rows import add_output_options, append_rows, environment
 
 HEAD_DIMS = (64, 128, 256)
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK_HEAD_DIMS = (128,)
 QUICK_SEQLENS = (1024, 8192)
+FLEX_RECOMPILE_LIMIT = 256  # one compiled graph per (shape, mask): the full grid needs 36 per mode
 TOKENS = 16384
 HIDDEN = 2048
 
@@ -80,12 +87,80 @@ def window_provider(window: int) -> str:
     return f"onlineattn-window{window}"
 
 
-PROVIDERS = {
-    "onlineattn": _ours,
-    "sdpa-flash": _sdpa("FLASH_ATTENTION"),
-    "sdpa-cudnn": _sdpa("CUDNN_ATTENTION"),
-    "sdpa-efficient": _sdpa("EFFICIENT_ATTENTION"),
+def _causal_mod(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def _flex():
+    """FlexAttention compiled once; each new shape recompiles (dynamic=False), under a limit raised for the grid.
+    Hitting the limit raises rather than silently running uncompiled (an eager flex materialises the scores)."""
+    import torch._dynamo
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), FLEX_RECOMPILE_LIMIT))
+    for name in ("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"):
+        if hasattr(config, name):
+            setattr(config, name, True)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    block_masks = {}
+
+    def run(q, k, v, causal):
+        block_mask = None
+        if causal:  # Sq = Sk on this grid: top-left = bottom-right; one block mask per length, built outside timing
+            key = (q.shape[1], q.device)
+            if key not in block_masks:
+                block_masks[key] = create_block_mask(_causal_mod, None, None, q.shape[1], k.shape[1], device=q.device)
+            block_mask = block_masks[key]
+        o = compiled(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask)
+        return o.transpose(1, 2)
+
+    return run
+
+
+def _flash_attn(module_name: str):
+    """flash-attn 2 (``flash_attn``) or 4 (``flash_attn.cute``), both in the [B, S, H, D] layout; the cute interface
+    returns ``(out, lse)``."""
+
+    def setup():
+        import importlib
+
+        fn = importlib.import_module(module_name).flash_attn_func
+
+        def run(q, k, v, causal):
+            out = fn(q, k, v, causal=causal)
+            return out[0] if isinstance(out, tuple) else out
+
+        return run
+
+    return setup
+
+
+# name -> setup() returning fn(q, k, v, causal) -> o; setup raises ImportError (or RuntimeError) where unavailable
+PROVIDER_SETUPS = {
+    "onlineattn": lambda: _ours,
+    "sdpa-flash": lambda: _sdpa("FLASH_ATTENTION"),
+    "sdpa-cudnn": lambda: _sdpa("CUDNN_ATTENTION"),
+    "sdpa-efficient": lambda: _sdpa("EFFICIENT_ATTENTION"),
+    "sdpa-math": lambda: _sdpa("MATH"),
+    "flex": _flex,
+    "flash-attn": _flash_attn("flash_attn"),
+    "flash-attn-cute": _flash_attn("flash_attn.cute"),
 }
+PROVIDERS = tuple(PROVIDER_SETUPS)
+
+
+def available(names) -> dict:
+    """``{name: fn}`` for the providers that can be set up here; the others are printed with the reason."""
+    found = {}
+    for name in names:
+        try:
+            found[name] = PROVIDER_SETUPS[name]()
+        except (ImportError, RuntimeError, AttributeError) as err:
+            print(f"  {name}: not available ({type(err).__name__}: {str(err).splitlines()[0][:100]})")
+    return found
 
 
 def _timed(fn, mode: str, q, k, v, causal) -> float:
@@ -107,30 +182,32 @@ def _timed(fn, mode: str, q, k, v, causal) -> float:
 
 def run(cases, providers, modes, *, out: Path | None, commit: str | None = None, dtype=torch.bfloat16,
         window: int | None = None):
-    """Measure every (case, mode, provider); print a table; append rows to ``out``. Returns the rows.
-
-    With ``window``, the provider ``onlineattn-window{window}`` (causal sliding window) joins the run."""
+    """Measure every (case, mode, provider) of the providers available here; print a table; append rows to ``out``.
+    Returns the rows. With ``window``, the provider ``onlineattn-window{window}`` (causal sliding window) joins."""
     env = environment(commit)
-    fns = dict(PROVIDERS)
+    fns = available(providers)
     if window is not None:
         fns[window_provider(window)] = _ours_window(window)
-        providers = [*providers, window_provider(window)]
     rows = []
-    header = f"{'op':6} {'d':>4} {'c':>2} {'N':>6} {'B':>3} {'H':>3} " + " ".join(f"{p:>15}" for p in providers)
+    header = f"{'op':6} {'d':>4} {'c':>2} {'N':>6} {'B':>3} {'H':>3} " + " ".join(f"{p:>15}" for p in fns)
     print(header)
+    bar = Progress(len(cases) * len(modes) * len(fns), "prefill")
     for case in cases:
         gen = torch.Generator(device="cuda").manual_seed(case.n * 1000 + case.d)
         shape = (case.b, case.n, case.h, case.d)
         q, k, v = (torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
         for mode in modes:
             cells, times = [], {}
-            for name in providers:
+            for name, fn in fns.items():
                 windowed = window is not None and name == window_provider(window)
+                bar.step(f"{mode} d={case.d} N={case.n} {name}")
                 try:
-                    ms = _timed(fns[name], mode, q, k, v, case.causal)
-                except RuntimeError as err:  # a peer backend that does not support this shape
+                    ms = _timed(fn, mode, q, k, v, case.causal)
+                except Exception as err:  # noqa: BLE001 - a peer that refuses the shape, runs out of memory, or
+                    # fails to compile: that cell is n/a and the run goes on
                     cells.append(f"{'n/a':>15}")
-                    print(f"  {name} {mode} {case}: {str(err).splitlines()[0][:120]}")
+                    bar.print(f"  {name} {mode} {case}: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
+                    torch.cuda.empty_cache()
                     continue
                 times[name] = ms
                 tflops = case.flops(mode, window if windowed else None) / ms / 1e9
@@ -141,12 +218,13 @@ def run(cases, providers, modes, *, out: Path | None, commit: str | None = None,
                     "causal": True if windowed else case.causal, "ms": round(ms, 5), "tflops": round(tflops, 2),
                     **({"window": [window - 1, 0]} if windowed else {}),
                 })
-            print(f"{mode:6} {case.d:4} {int(case.causal):2} {case.n:6} {case.b:3} {case.h:3} " + " ".join(cells))
+            bar.print(f"{mode:6} {case.d:4} {int(case.causal):2} {case.n:6} {case.b:3} {case.h:3} " + " ".join(cells))
             if window is not None and case.causal and {"onlineattn", window_provider(window)} <= times.keys():
                 ratio = times[window_provider(window)] / times["onlineattn"]
-                print(f"       window {window}: {times[window_provider(window)]:.3f} ms = {ratio:.3f} x full causal "
-                      f"{times['onlineattn']:.3f} ms")
+                bar.print(f"       window {window}: {times[window_provider(window)]:.3f} ms = {ratio:.3f} x full "
+                          f"causal {times['onlineattn']:.3f} ms")
         del q, k, v
+    bar.close()
     append_rows(out, rows)
     return rows
 
@@ -154,11 +232,13 @@ def run(cases, providers, modes, *, out: Path | None, commit: str | None = None,
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("prefill", help="time forward/backward on the peers' grid against SDPA")
     p.add_argument("--mode", choices=("fwd", "bwd", "fwdbwd", "all"), default="fwd")
-    p.add_argument("--d", type=int, nargs="*", default=list(HEAD_DIMS), help="head dims")
+    p.add_argument("--d", type=int, nargs="*", default=None, help=f"head dims (default: {HEAD_DIMS})")
     p.add_argument("--n", type=int, nargs="*", default=None, help="sequence lengths (default: the grid)")
     p.add_argument("--causal", choices=("0", "1", "both"), default="both")
-    p.add_argument("--providers", nargs="*", default=list(PROVIDERS), choices=list(PROVIDERS))
-    p.add_argument("--quick", action="store_true", help="two lengths per head dim")
+    p.add_argument("--providers", nargs="*", default=list(PROVIDERS), choices=list(PROVIDERS),
+                   help="default: every one that is available here")
+    p.add_argument("--quick", action="store_true",
+                   help=f"about a minute: d in {QUICK_HEAD_DIMS}, N in {QUICK_SEQLENS} (unless --d/--n say otherwise)")
     p.add_argument("--window", type=int, default=None, metavar="W",
                    help="also time causal sliding-window attention over the W latest keys (window_size=(W-1, 0))")
     add_output_options(p)
@@ -170,12 +250,13 @@ def main(args) -> int:
         print("onlineattn bench prefill needs a CUDA device")
         return 2
     seqlens = args.n or (QUICK_SEQLENS if args.quick else SEQLENS)
+    head_dims = args.d or (QUICK_HEAD_DIMS if args.quick else HEAD_DIMS)
     causal = {"0": (False,), "1": (True,), "both": (False, True)}[args.causal]
     modes = ("fwd", "bwd") if args.mode == "all" else (args.mode,)
     if args.window is not None and args.window < 1:
         print(f"--window must be at least 1, got {args.window}")
         return 2
-    run(grid(args.d, seqlens, causal), args.providers, modes, out=None if args.no_write else args.out,
+    run(grid(head_dims, seqlens, causal), args.providers, modes, out=None if args.no_write else args.out,
         commit=args.commit, window=args.window)
     return 0
 

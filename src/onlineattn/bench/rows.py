@@ -12,21 +12,28 @@ from pathlib import Path
 import torch
 
 DEFAULT_OUT = Path("benchmarks/results/h200.jsonl")
+CPU_OUT = Path("benchmarks/results/cpu.jsonl")  # where CPU fallbacks (``bench memory`` without CUDA) append
 
 
 def environment(commit: str | None) -> dict:
-    """``date``, ``commit`` (default: ``git rev-parse --short HEAD``), ``gpu``, ``torch`` and ``triton`` of a row."""
-    import triton
+    """``date``, ``commit`` (default: ``git rev-parse --short HEAD``), ``gpu`` (``"cpu"`` without CUDA), ``torch``
+    and ``triton`` (``"none"`` where it is not installed) of a row."""
+    try:
+        import triton
 
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
     if commit is None:
         with contextlib.suppress(OSError, subprocess.CalledProcessError):
-            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
+            commit = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                             stderr=subprocess.DEVNULL).strip()
     return {
         "date": datetime.date.today().isoformat(),
         "commit": commit or "unknown",
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
-        "triton": triton.__version__,
+        "triton": triton_version,
     }
 
 

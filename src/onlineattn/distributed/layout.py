@@ -81,7 +81,15 @@ def shard_sequence(x: torch.Tensor, rank: int, world: int, layout: str = "contig
 
 
 def unshard_sequence(shards, layout: str = "contiguous", *, seq_dim: int = 1) -> torch.Tensor:
-    """Inverse of ``shard_sequence``: ``shards[r]`` is rank r's ``[B, S / world, H, D]``; returns ``[B, S, H, D]``."""
+    """Inverse of ``shard_sequence``: ``shards[r]`` is rank r's ``[B, S / world, H, D]``; returns ``[B, S, H, D]``.
+
+    Example:
+        >>> import torch
+        >>> x = torch.arange(8.0).reshape(1, 8, 1, 1)
+        >>> shards = [shard_sequence(x, r, 2, "zigzag") for r in range(2)]
+        >>> torch.equal(unshard_sequence(shards, "zigzag"), x)
+        True
+    """
     if not isinstance(shards, (list, tuple)) or not shards:
         raise TypeError(f"shards must be a non-empty list of tensors, one per rank, got {type(shards).__name__}")
     for r, x in enumerate(shards):

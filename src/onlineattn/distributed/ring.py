@@ -291,6 +291,18 @@ def ring_attention(
     ``ValueError`` for bad local arguments (unknown layout, ``q_local`` and ``k_local`` of different lengths, odd n with
     zigzag, a device the backend cannot carry). Then one all_gather of the shapes and keywords: ``ValueError`` on every
     rank if the ranks disagree. Per-block compute is Triton for CUDA fp16/bf16/fp32 tensors, the torch path otherwise.
+
+    Example (a ring of one process; with torchrun every rank runs the same lines on its own shard):
+        >>> import tempfile, torch, torch.distributed as dist
+        >>> from onlineattn import attention
+        >>> from onlineattn.distributed import ring_attention
+        >>> store = tempfile.NamedTemporaryFile(delete=False).name
+        >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        >>> q, k, v = (torch.randn(1, 8, 2, 16, dtype=torch.float64) for _ in range(3))
+        >>> o = ring_attention(q, k, v, causal=True, layout="zigzag")
+        >>> torch.allclose(o, attention(q, k, v, causal=True), atol=1e-12)
+        True
+        >>> dist.destroy_process_group()
     """
     ring = _check_group(group)
     dims = V.check_qkv(q_local, k_local, v_local)

@@ -1,0 +1,96 @@
+"""Hugging Face transformers integration: ``attn_implementation="onlineattn"``.
+
+``register()`` adds ``attention_forward`` to transformers' ``AttentionInterface`` (transformers >= 4.48), after which
+
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="onlineattn")
+
+runs every attention layer of a model that dispatches through that interface (Llama, Mistral, Qwen, BERT, ...) with
+onlineattn. The function follows transformers' own SDPA integration (``integrations/sdpa_attention.py``) and calls
+``onlineattn.sdpa``, so it takes the same masks: a padding or custom mask arrives as a 4-D boolean (or, in older
+versions, additive float) ``[batch, 1 or heads, q_len, kv_len]`` tensor; without one the layer's ``is_causal`` applies.
+From transformers 4.53 on, the masks themselves are built per implementation (``AttentionMaskInterface``);
+``register()`` gives "onlineattn" SDPA's mask builder there, which returns None when plain causal masking suffices, so
+unpadded batches reach onlineattn's kernels and padded ones the masked torch path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sdpa import sdpa
+
+NAME = "onlineattn"
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """An attention function in transformers' interface.
+
+    Args:
+        module: the attention layer; its ``is_causal`` (default True) applies when no mask is given.
+        query: ``[batch, heads_q, q_len, head_dim]``; key, value: ``[batch, heads_kv, kv_len, head_dim]`` (GQA when
+            ``heads_kv < heads_q``). Any float dtype.
+        attention_mask: None or a mask broadcastable to ``[batch, heads_q, q_len, kv_len]``: bool (True = attend) or
+            float (added to the scores). A query row with no visible key gives 0 (padding rows, which nothing reads).
+        dropout: attention dropout; must be 0.0 (dropout is issue #6: evaluate with ``model.eval()``).
+        scaling: softmax scale, default ``1 / sqrt(head_dim)``.
+        is_causal: overrides ``module.is_causal``.
+        kwargs: other keywords of the interface. ``softcap`` and ``s_aux`` (sinks) are refused; the rest
+            (``sliding_window``, already part of the mask; ``position_ids``; ...) are ignored as SDPA's integration
+            ignores them.
+
+    Returns:
+        ``(attn_output [batch, q_len, heads_q, head_dim] contiguous, None)``: no attention weights.
+
+    Example:
+        >>> import torch
+        >>> from onlineattn.integrations.transformers import attention_forward
+        >>> layer = torch.nn.Module(); layer.is_causal = True
+        >>> q, k, v = torch.randn(1, 4, 6, 16), torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)
+        >>> out, weights = attention_forward(layer, q, k, v, attention_mask=None)
+        >>> out.shape, weights
+        (torch.Size([1, 6, 4, 16]), None)
+    """
+    for name in ("softcap", "s_aux"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"attn_implementation='onlineattn' does not support {name} yet (issue #6)")
+    if dropout:
+        raise NotImplementedError(f"attn_implementation='onlineattn' needs dropout=0.0 (got {dropout}); attention "
+                                  "dropout is issue #6: call model.eval() for inference")
+    q_len = query.shape[2]
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    # As transformers' SDPA integration: causal only without a mask (a mask already holds causality) and with more
+    # than one query (one new token sees the whole cache). SDPA's top-left alignment is what transformers expects.
+    causal = bool(is_causal) and attention_mask is None and q_len > 1
+    if attention_mask is not None and attention_mask.shape[-1] > key.shape[2]:
+        attention_mask = attention_mask[..., : key.shape[2]]  # older versions build masks for the whole static cache
+    out = sdpa(query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling,
+               enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register(name: str = NAME) -> str:
+    """Register onlineattn with transformers under ``name``, so ``attn_implementation=name`` selects it.
+
+    Idempotent. Needs transformers >= 4.48 (``AttentionInterface``). Returns ``name``.
+
+    Example:
+        >>> from onlineattn.integrations import transformers as oa_transformers
+        >>> oa_transformers.register()  # doctest: +SKIP
+        'onlineattn'
+        >>> # then: AutoModel.from_pretrained(path, attn_implementation="onlineattn")
+    """
+    try:
+        from transformers import AttentionInterface
+    except ImportError as err:
+        raise ImportError("onlineattn's transformers integration needs transformers >= 4.48 (AttentionInterface): "
+                          "pip install 'onlineattn[transformers]'") from err
+    AttentionInterface.register(name, attention_forward)
+    try:  # transformers >= 4.53 builds each implementation's masks through this interface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:  # older versions hand a custom implementation the eager 4-D float mask, which sdpa takes
+        return name
+    AttentionMaskInterface.register(name, sdpa_mask)
+    return name

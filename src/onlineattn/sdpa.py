@@ -1,0 +1,157 @@
+"""``onlineattn.sdpa``: a drop-in for ``torch.nn.functional.scaled_dot_product_attention``.
+
+SDPA's layout is heads-first, ``[..., H, S, D]``; onlineattn's is flash-attn's ``[B, S, H, D]``. A transpose is a view,
+so the layouts cost nothing to switch. Without a mask the call goes to ``onlineattn.attention`` (the Triton kernels on
+CUDA, the blockwise torch path elsewhere). SDPA's ``is_causal`` is aligned to the top left (query i sees keys
+``j <= i``) while ``attention``'s is aligned to the bottom right; the two agree when ``Sq == Sk``, and the other shapes
+are reduced to that case (see ``_top_left_causal``). A mask goes to ``masked_impl``, the blockwise torch path with
+the mask applied tile by tile, on any device, until issue #6 brings ``attn_bias`` to the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _validate as V
+from . import masked_impl
+from .api import attention
+
+
+def _check_tensors(query, key, value, enable_gqa) -> None:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        V.check_tensor(name, x)
+        if x.dim() < 3:
+            raise ValueError(f"{name} must have at least 3 dims [..., heads, seqlen, head_dim], got shape "
+                             f"{tuple(x.shape)}")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"query, key and value must share one dtype, got {query.dtype}, {key.dtype} and {value.dtype}")
+    if not (query.device == key.device == value.device):
+        raise ValueError(f"query, key and value must be on one device, got {query.device}, {key.device} and "
+                         f"{value.device}")
+    if not (query.dim() == key.dim() == value.dim()) or not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3]):
+        raise ValueError(f"query, key and value must share their batch dims (all but the last three), got shapes "
+                         f"{tuple(query.shape)}, {tuple(key.shape)} and {tuple(value.shape)}")
+    if key.shape[-2] != value.shape[-2] or key.shape[-3] != value.shape[-3]:
+        raise ValueError(f"key and value must have the same heads and seqlen, got {tuple(key.shape)} and "
+                         f"{tuple(value.shape)}")
+    if key.shape[-1] != query.shape[-1]:
+        raise ValueError(f"key's head dim must equal query's: expected {query.shape[-1]}, got {key.shape[-1]}")
+    hq, hkv = query.shape[-3], key.shape[-3]
+    if hq != hkv and hkv != 1:  # SDPA broadcasts a single kv head even without enable_gqa
+        if not V.check_bool("enable_gqa", enable_gqa):
+            raise ValueError(f"key has {hkv} heads and query {hq}: pass enable_gqa=True for grouped-query attention")
+        if hkv == 0 or hq % hkv:
+            raise ValueError(f"key has {hkv} heads, which does not divide query's {hq} heads")
+
+
+def _check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
+    return float(scale)
+
+
+def _check_mask(attn_mask, query, key, want_shape) -> None:
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
+    if attn_mask.dtype != torch.bool and not attn_mask.dtype.is_floating_point:
+        raise TypeError(f"attn_mask must be bool (True = take part) or floating point (added to the scores), got "
+                        f"{attn_mask.dtype}")
+    if attn_mask.device != query.device:
+        raise ValueError(f"attn_mask must be on query's device {query.device}, got {attn_mask.device}")
+    try:
+        torch.broadcast_shapes(attn_mask.shape, want_shape)
+    except RuntimeError:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to (..., heads, L, S) = "
+                         f"{tuple(want_shape)}") from None
+    if torch.broadcast_shapes(attn_mask.shape, want_shape) != want_shape:
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} would broadcast the output beyond "
+                         f"{tuple(want_shape)}")
+
+
+def _top_left_causal(q, k, v, scale: float, backend: str) -> torch.Tensor:
+    """SDPA's causal mask on ``[B, S, H, D]`` tensors: query i sees keys ``j <= i``.
+
+    With ``Sq <= Sk`` no query sees beyond key ``Sq − 1``, and on the square ``[:Sq, :Sq]`` top-left equals
+    bottom-right. With ``Sq > Sk`` the first ``Sk`` queries form that square and every later query sees all keys.
+    """
+    sq, sk = q.shape[1], k.shape[1]
+    if sq <= sk:
+        return attention(q, k[:, :sq], v[:, :sq], causal=True, softmax_scale=scale, backend=backend)
+    square = attention(q[:, :sk], k, v, causal=True, softmax_scale=scale, backend=backend)
+    rest = attention(q[:, sk:], k, v, causal=False, softmax_scale=scale, backend=backend)
+    return torch.cat((square, rest), dim=1)
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+         backend="auto"):
+    """``torch.nn.functional.scaled_dot_product_attention``, computed by onlineattn.
+
+    Args:
+        query: ``[..., heads_q, L, E]`` (usually ``[B, Hq, L, E]``), float16, bfloat16, float32 or float64.
+        key: ``[..., heads_kv, S, E]`` with the same leading dims.
+        value: ``[..., heads_kv, S, Ev]``.
+        attn_mask: None, or a tensor broadcastable to ``[..., heads_q, L, S]``: bool (True = the key takes part) or
+            floating point (added to the scaled scores; ``-inf`` hides a key). A float mask that requires grad
+            receives its gradient.
+        dropout_p: must be 0.0 (dropout is issue #6).
+        is_causal: top-left aligned, as in SDPA: query i sees key j when ``j <= i``. Not together with attn_mask.
+        scale: defaults to ``1 / sqrt(E)``.
+        enable_gqa: allow ``heads_kv`` to divide ``heads_q`` (query head h reads kv head ``h // (Hq / Hkv)``). A
+            single kv head is broadcast without it, as SDPA's broadcasting does.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` for the unmasked call (see ``attention``). A mask always
+            runs on the blockwise torch path, on any device; ``"triton"`` with a mask raises NotImplementedError.
+
+    Returns:
+        ``[..., heads_q, L, Ev]`` in query's dtype (a transposed view of a ``[B, L, Hq, Ev]`` buffer, like SDPA's
+        flash backend). Differentiable with respect to query, key, value and a float mask.
+
+    The one difference from PyTorch: a query whose keys are all masked (an all-False boolean row, or a float row all
+    ``-inf``) gets output 0, never NaN. PyTorch's math backend does the same on recent versions; its documented
+    reference formula and some fused backends give NaN.
+
+    Example:
+        >>> import torch, onlineattn
+        >>> q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 7, 16), torch.randn(2, 2, 7, 16)
+        >>> mask = torch.ones(2, 1, 5, 7, dtype=torch.bool); mask[1, ..., 5:] = False   # padding in sequence 1
+        >>> o = onlineattn.sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+        >>> ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        >>> o.shape, torch.allclose(o, ref, atol=1e-5)
+        (torch.Size([2, 8, 5, 16]), True)
+        >>> torch.allclose(onlineattn.sdpa(q, k, v, is_causal=True, enable_gqa=True),
+        ...                torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        ...                atol=1e-5)
+        True
+    """
+    _check_tensors(query, key, value, enable_gqa)
+    lead, hq, sq, d = query.shape[:-3], *query.shape[-3:]
+    hkv, sk, dv = key.shape[-3], key.shape[-2], value.shape[-1]
+    scale = _check_scale(scale, d)
+    is_causal = V.check_bool("is_causal", is_causal)
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"dropout_p={dropout_p} is not supported yet (tracked by issue #6); pass 0.0")
+    backend = V.check_backend(backend)
+    batch = math.prod(lead)
+    # [..., H, S, D] -> [B, S, H, D]: a view for 4-D inputs, a reshape of the leading dims otherwise
+    q, k, v = (x.reshape(batch, *x.shape[-3:]).transpose(1, 2) for x in (query, key, value))
+    if attn_mask is None:
+        if is_causal:
+            o = _top_left_causal(q, k, v, scale, backend)
+        else:
+            o = attention(q, k, v, causal=False, softmax_scale=scale, backend=backend)
+    else:
+        _check_mask(attn_mask, query, key, (*lead, hq, sq, sk))
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True cannot be combined (as in SDPA): fold the causal mask into "
+                             "attn_mask")
+        if backend == "triton":
+            raise NotImplementedError("attn_mask on backend='triton' needs attn_bias in the kernels (issue #6); use "
+                                      "backend='auto' or 'torch', which run masks on the blockwise torch path")
+        mask = torch.broadcast_to(attn_mask, (*lead, hq, sq, sk)).reshape(batch, hq, sq, sk)
+        o, _ = masked_impl.attention(q, k, v, mask, scale)
+    return o.transpose(1, 2).reshape(*lead, hq, sq, dv)
