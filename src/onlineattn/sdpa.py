@@ -4,8 +4,8 @@ SDPA's layout is heads-first, ``[..., H, S, D]``; onlineattn's is flash-attn's `
 so the layouts cost nothing to switch. Without a mask the call goes to ``onlineattn.attention`` (the Triton kernels on
 CUDA, the blockwise torch path elsewhere). SDPA's ``is_causal`` is aligned to the top left (query i sees keys
 ``j <= i``) while ``attention``'s is aligned to the bottom right; the two agree when ``Sq == Sk``, and the other shapes
-are reduced to that case (see ``_top_left_causal``). A mask goes to ``masked_impl``, the blockwise torch path with
-the mask applied tile by tile, on any device, until issue #6 brings ``attn_bias`` to the kernels.
+are reduced to that case (see ``_top_left_causal``). A mask becomes ``attention``'s additive ``attn_bias`` (a boolean mask
+0 where True and -inf where False), read tile by tile by whichever backend runs, never expanded for 4-D inputs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import math
 import torch
 
 from . import _validate as V
-from . import masked_impl
 from .api import attention
 
 
@@ -72,7 +71,21 @@ def _check_mask(attn_mask, query, key, want_shape) -> None:
                          f"{tuple(want_shape)}")
 
 
-def _top_left_causal(q, k, v, scale: float, backend: str) -> torch.Tensor:
+def _as_bias(attn_mask, lead, hq: int, sq: int, sk: int, dtype) -> torch.Tensor:
+    """SDPA's mask as ``attention``'s additive ``attn_bias``, broadcastable to ``[B, Hq, Sq, Sk]`` and never expanded
+    where the leading dims allow: a boolean mask becomes 0 where True and -inf where False (in the compute dtype, so
+    a float mask's gradient still reaches it when it is already floating point)."""
+    if attn_mask.dtype == torch.bool:
+        bias_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        attn_mask = torch.zeros((), dtype=bias_dtype, device=attn_mask.device).masked_fill(
+            ~attn_mask, float("-inf"))
+    full = (*lead, hq, sq, sk)
+    if len(lead) == 1 and attn_mask.dim() <= 4:
+        return attn_mask  # already broadcastable to [B, Hq, Sq, Sk]
+    return torch.broadcast_to(attn_mask, full).reshape(-1, hq, sq, sk)  # other leading dims: fold them into B
+
+
+def _top_left_causal(q, k, v, scale: float, dropout_p: float, backend: str) -> torch.Tensor:
     """SDPA's causal mask on ``[B, S, H, D]`` tensors: query i sees keys ``j <= i``.
 
     With ``Sq <= Sk`` no query sees beyond key ``Sq − 1``, and on the square ``[:Sq, :Sq]`` top-left equals
@@ -80,9 +93,10 @@ def _top_left_causal(q, k, v, scale: float, backend: str) -> torch.Tensor:
     """
     sq, sk = q.shape[1], k.shape[1]
     if sq <= sk:
-        return attention(q, k[:, :sq], v[:, :sq], causal=True, softmax_scale=scale, backend=backend)
-    square = attention(q[:, :sk], k, v, causal=True, softmax_scale=scale, backend=backend)
-    rest = attention(q[:, sk:], k, v, causal=False, softmax_scale=scale, backend=backend)
+        return attention(q, k[:, :sq], v[:, :sq], causal=True, softmax_scale=scale, dropout_p=dropout_p,
+                         backend=backend)
+    square = attention(q[:, :sk], k, v, causal=True, softmax_scale=scale, dropout_p=dropout_p, backend=backend)
+    rest = attention(q[:, sk:], k, v, causal=False, softmax_scale=scale, dropout_p=dropout_p, backend=backend)
     return torch.cat((square, rest), dim=1)
 
 
@@ -97,13 +111,12 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         attn_mask: None, or a tensor broadcastable to ``[..., heads_q, L, S]``: bool (True = the key takes part) or
             floating point (added to the scaled scores; ``-inf`` hides a key). A float mask that requires grad
             receives its gradient.
-        dropout_p: must be 0.0 (dropout is issue #6).
+        dropout_p: ``attention``'s dropout (its own counter-based stream, reproducible from ``torch.manual_seed``).
         is_causal: top-left aligned, as in SDPA: query i sees key j when ``j <= i``. Not together with attn_mask.
         scale: defaults to ``1 / sqrt(E)``.
         enable_gqa: allow ``heads_kv`` to divide ``heads_q`` (query head h reads kv head ``h // (Hq / Hkv)``). A
             single kv head is broadcast without it, as SDPA's broadcasting does.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` for the unmasked call (see ``attention``). A mask always
-            runs on the blockwise torch path, on any device; ``"triton"`` with a mask raises NotImplementedError.
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``, as in ``attention``; masks run on either.
 
     Returns:
         ``[..., heads_q, L, Ev]`` in query's dtype (a transposed view of a ``[B, L, Hq, Ev]`` buffer, like SDPA's
@@ -133,25 +146,20 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     is_causal = V.check_bool("is_causal", is_causal)
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"dropout_p={dropout_p} is not supported yet (tracked by issue #6); pass 0.0")
     backend = V.check_backend(backend)
     batch = math.prod(lead)
     # [..., H, S, D] -> [B, S, H, D]: a view for 4-D inputs, a reshape of the leading dims otherwise
     q, k, v = (x.reshape(batch, *x.shape[-3:]).transpose(1, 2) for x in (query, key, value))
     if attn_mask is None:
         if is_causal:
-            o = _top_left_causal(q, k, v, scale, backend)
+            o = _top_left_causal(q, k, v, scale, dropout_p, backend)
         else:
-            o = attention(q, k, v, causal=False, softmax_scale=scale, backend=backend)
+            o = attention(q, k, v, causal=False, softmax_scale=scale, dropout_p=dropout_p, backend=backend)
     else:
         _check_mask(attn_mask, query, key, (*lead, hq, sq, sk))
         if is_causal:
             raise ValueError("attn_mask and is_causal=True cannot be combined (as in SDPA): fold the causal mask into "
                              "attn_mask")
-        if backend == "triton":
-            raise NotImplementedError("attn_mask on backend='triton' needs attn_bias in the kernels (issue #6); use "
-                                      "backend='auto' or 'torch', which run masks on the blockwise torch path")
-        mask = torch.broadcast_to(attn_mask, (*lead, hq, sq, sk)).reshape(batch, hq, sq, sk)
-        o, _ = masked_impl.attention(q, k, v, mask, scale)
+        o = attention(q, k, v, attn_bias=_as_bias(attn_mask, lead, hq, sq, sk, query.dtype), softmax_scale=scale,
+                      dropout_p=dropout_p, backend=backend)
     return o.transpose(1, 2).reshape(*lead, hq, sq, dv)
