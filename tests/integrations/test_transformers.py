@@ -197,16 +197,38 @@ def test_minilm_sentence_embeddings_match_eager(minilm_path, dtype, device, call
     assert similarity[1, 2] > similarity[1, 0]  # the two sentences about attention are the closer pair
 
 
-# ---- what the integration refuses ------------------------------------------------------------------------------------
+# ---- score variants and what the integration refuses -----------------------------------------------------------------
 
 
-def test_dropout_and_softcap_are_refused_by_name():
+def test_softcap_and_sinks_reach_attention_with_the_padding_mask():
+    """Gemma 2's softcap and gpt-oss's s_aux sinks, under a padding mask, against the float64 oracle."""
+    gen = torch.Generator().manual_seed(51)
     layer = torch.nn.Module()
+    layer.is_causal = True
+    q, k, v = (torch.randn(2, 4, 6, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]  # GQA 4:2
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    mask[1, ..., :2] = False  # left padding in sequence 1 (its first two queries see nothing)
+    out, weights = integration.attention_forward(layer, q, k, v, mask, softcap=5.0, s_aux=sinks)
+    bias = torch.zeros(()).double().masked_fill(~mask, float("-inf"))
+    exact = R.naive_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), softcap=5.0, sinks=sinks,
+                              attn_bias=bias)
+    assert weights is None and out.shape == (2, 6, 4, 16)
+    R.assert_within_rule("o", out, exact, dtype_name="float64")
+
+
+def test_dropout_follows_the_seed_and_a_causal_layer_without_mask_needs_square_inputs():
+    layer = torch.nn.Module()
+    layer.is_causal = True
     q = torch.randn(1, 2, 3, 8)
-    with pytest.raises(NotImplementedError, match="dropout=0.0"):
-        integration.attention_forward(layer, q, q, q, None, dropout=0.1)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        integration.attention_forward(layer, q, q, q, None, softcap=30.0)
+    runs = []
+    for seed in (0, 0):
+        torch.manual_seed(seed)
+        runs.append(integration.attention_forward(layer, q, q, q, None, dropout=0.2)[0])
+    assert torch.equal(*runs) and not torch.equal(runs[0], integration.attention_forward(layer, q, q, q, None)[0])
+    with pytest.raises(NotImplementedError, match="q_len == kv_len"):
+        integration.attention_forward(layer, q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), None, softcap=3.0)
 
 
 def test_mask_for_a_longer_static_cache_is_cut_to_the_keys():

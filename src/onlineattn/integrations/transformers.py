@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..api import attention
 from ..sdpa import sdpa
 
 NAME = "onlineattn"
@@ -33,12 +34,12 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
             ``heads_kv < heads_q``). Any float dtype.
         attention_mask: None or a mask broadcastable to ``[batch, heads_q, q_len, kv_len]``: bool (True = attend) or
             float (added to the scores). A query row with no visible key gives 0 (padding rows, which nothing reads).
-        dropout: attention dropout; must be 0.0 (dropout is issue #6: evaluate with ``model.eval()``).
+        dropout: attention dropout probability (``attention``'s own counter-based stream).
         scaling: softmax scale, default ``1 / sqrt(head_dim)``.
         is_causal: overrides ``module.is_causal``.
-        kwargs: other keywords of the interface. ``softcap`` and ``s_aux`` (sinks) are refused; the rest
-            (``sliding_window``, already part of the mask; ``position_ids``; ...) are ignored as SDPA's integration
-            ignores them.
+        kwargs: other keywords of the interface. ``softcap`` (Gemma 2) and ``s_aux`` (gpt-oss's per-head sinks,
+            ``[heads_q]``) go to ``attention``; the rest (``sliding_window``, already part of the mask;
+            ``position_ids``; ...) are ignored as SDPA's integration ignores them.
 
     Returns:
         ``(attn_output [batch, q_len, heads_q, head_dim] contiguous, None)``: no attention weights.
@@ -52,12 +53,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         >>> out.shape, weights
         (torch.Size([1, 6, 4, 16]), None)
     """
-    for name in ("softcap", "s_aux"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"attn_implementation='onlineattn' does not support {name} yet (issue #6)")
-    if dropout:
-        raise NotImplementedError(f"attn_implementation='onlineattn' needs dropout=0.0 (got {dropout}); attention "
-                                  "dropout is issue #6: call model.eval() for inference")
     q_len = query.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -66,9 +61,29 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     causal = bool(is_causal) and attention_mask is None and q_len > 1
     if attention_mask is not None and attention_mask.shape[-1] > key.shape[2]:
         attention_mask = attention_mask[..., : key.shape[2]]  # older versions build masks for the whole static cache
-    out = sdpa(query, key, value, attn_mask=attention_mask, is_causal=causal, scale=scaling,
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if softcap or sinks is not None:
+        return _with_score_variants(query, key, value, attention_mask, causal, scaling, dropout, softcap, sinks), None
+    out = sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal, scale=scaling,
                enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def _with_score_variants(query, key, value, attention_mask, causal: bool, scaling, dropout: float, softcap, sinks):
+    """Softcap or sinks: ``attention`` directly, the mask as ``attn_bias``. Causal without a mask needs
+    ``q_len == kv_len``, where SDPA's top-left alignment and ``attention``'s bottom-right one agree."""
+    q, k, v = (x.transpose(1, 2) for x in (query, key, value))  # [B, H, S, D] -> [B, S, H, D], views
+    if causal and q.shape[1] != k.shape[1]:
+        raise NotImplementedError(f"softcap/s_aux with a causal layer and no mask need q_len == kv_len, got "
+                                  f"{q.shape[1]} and {k.shape[1]}")
+    bias = None
+    if attention_mask is not None:
+        bias = attention_mask
+        if bias.dtype == torch.bool:
+            bias = torch.zeros((), dtype=torch.float32, device=bias.device).masked_fill(~bias, float("-inf"))
+    out = attention(q, k, v, causal=causal, softmax_scale=scaling, softcap=float(softcap or 0.0), attn_bias=bias,
+                    sinks=sinks, dropout_p=dropout)
+    return out.contiguous()
 
 
 def register(name: str = NAME) -> str:
