@@ -71,14 +71,19 @@ def _check_mask(attn_mask, query, key, want_shape) -> None:
                          f"{tuple(want_shape)}")
 
 
+def mask_as_bias(attn_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask (True = take part) as an additive bias of the same shape: 0 where True, -inf where False, in
+    float32 (float64 for float64 inputs). A float mask is returned as it is, so its gradient still reaches it."""
+    if attn_mask.dtype != torch.bool:
+        return attn_mask
+    bias_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return torch.zeros((), dtype=bias_dtype, device=attn_mask.device).masked_fill(~attn_mask, float("-inf"))
+
+
 def _as_bias(attn_mask, lead, hq: int, sq: int, sk: int, dtype) -> torch.Tensor:
-    """SDPA's mask as ``attention``'s additive ``attn_bias``, broadcastable to ``[B, Hq, Sq, Sk]`` and never expanded
-    where the leading dims allow: a boolean mask becomes 0 where True and -inf where False (in the compute dtype, so
-    a float mask's gradient still reaches it when it is already floating point)."""
-    if attn_mask.dtype == torch.bool:
-        bias_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        attn_mask = torch.zeros((), dtype=bias_dtype, device=attn_mask.device).masked_fill(
-            ~attn_mask, float("-inf"))
+    """SDPA's mask as ``attention``'s ``attn_bias``, broadcastable to ``[B, Hq, Sq, Sk]`` and never expanded where
+    the leading dims allow (see ``mask_as_bias``)."""
+    attn_mask = mask_as_bias(attn_mask, dtype)
     full = (*lead, hq, sq, sk)
     if len(lead) == 1 and attn_mask.dim() <= 4:
         return attn_mask  # already broadcastable to [B, Hq, Sq, Sk]

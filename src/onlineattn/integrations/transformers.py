@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..api import attention
-from ..sdpa import sdpa
+from ..sdpa import mask_as_bias, sdpa
 
 NAME = "onlineattn"
 
@@ -76,11 +76,7 @@ def _with_score_variants(query, key, value, attention_mask, causal: bool, scalin
     if causal and q.shape[1] != k.shape[1]:
         raise NotImplementedError(f"softcap/s_aux with a causal layer and no mask need q_len == kv_len, got "
                                   f"{q.shape[1]} and {k.shape[1]}")
-    bias = None
-    if attention_mask is not None:
-        bias = attention_mask
-        if bias.dtype == torch.bool:
-            bias = torch.zeros((), dtype=torch.float32, device=bias.device).masked_fill(~bias, float("-inf"))
+    bias = None if attention_mask is None else mask_as_bias(attention_mask, query.dtype)
     out = attention(q, k, v, causal=causal, softmax_scale=scaling, softcap=float(softcap or 0.0), attn_bias=bias,
                     sinks=sinks, dropout_p=dropout)
     return out.contiguous()
