@@ -6,6 +6,9 @@ The winners go into src/onlineattn/ops/_configs.py with the measured reason.
 
 import argparse
 import json
+import re
+import time
+from dataclasses import replace
 
 import torch
 import triton.testing
@@ -33,21 +36,47 @@ CANDIDATES = {
 }
 
 
+def _parse_tiles(text):
+    tiles = []
+    for item in text.split(","):
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)t([01])", item.strip())
+        if not m:
+            raise SystemExit(f"--tiles: cannot read {item!r}")
+        bm, bn, w, st, tma = map(int, m.groups())
+        tiles.append(FwdConfig(bm, bn, w, st, bool(tma)))
+    return tiles
+
+
+def _warm_up(seconds):
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--d", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--n", type=int, nargs="*", default=[1024, 8192])
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
     ap.add_argument("--json", default=None)
+    ap.add_argument("--heads-per-group", type=int, nargs="*", default=[1],
+                    help="longest-first grouping of (batch, kv head) columns to try with each tile")
+    ap.add_argument("--tiles", default=None,
+                    help="only these tiles, e.g. '64x64w4s3t1,128x128w8s3t1' (block_m x block_n, warps, stages, tma)")
     args = ap.parse_args()
     results = []
+    _warm_up(seconds=3.0)  # a cool GPU reads ~7% fast for the first second or so (NOTES.md): rank on a warm one
     for d in args.d:
         for causal in map(bool, args.causal):
             for n in args.n:
                 case = Case(16384 // n, 2048 // d, n, d, causal)
                 q, k, v = (torch.randn(case.b, n, case.h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 scores = []
-                for cfg in CANDIDATES["d256" if d > 128 else "small_d"]:
+                tiles = _parse_tiles(args.tiles) if args.tiles else CANDIDATES["d256" if d > 128 else "small_d"]
+                for cfg in [replace(t, heads_per_group=g) for t in tiles for g in args.heads_per_group]:
                     try:
                         ms = triton.testing.do_bench(
                             lambda: forward(q, k, v, d**-0.5, causal, config=cfg), warmup=10, rep=40,
@@ -62,7 +91,7 @@ def main():
                     results.append({"d": d, "causal": causal, "n": n, "config": cfg.__dict__, "tflops": round(tf, 1)})
                 scores.sort(key=lambda t: -t[0])
                 top = ", ".join(
-                    f"{tf:.0f} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} tma{int(c.tma)}"
+                    f"{tf:.0f} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} tma{int(c.tma)} g{c.heads_per_group}"
                     for tf, c in scores[:6]
                 )
                 print(f"d={d} causal={int(causal)} N={n}: {top}", flush=True)

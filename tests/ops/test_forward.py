@@ -7,6 +7,7 @@ import torch
 import onlineattn
 from onlineattn import reference as R
 from onlineattn.ops import forward as F
+from onlineattn.ops._configs import FwdConfig, fwd_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -201,6 +202,19 @@ def test_batches_beyond_the_grid_limit_launch_in_slices(monkeypatch):
     monkeypatch.setattr(F, "MAX_GRID_Y", 4)  # 2 kv heads -> 2 batch entries per launch, 3 launches for 5
     q, k, v = _inputs(5, 19, 23, 4, 2, 32, 32, torch.float16, seed=10)
     o, lse = _run_poisoned(q, k, v, causal=True)
+    _check(q, k, v, True, o, lse)
+
+
+@pytest.mark.parametrize("heads_per_group", [2, 3, 8])
+def test_longest_first_order_covers_every_tile(heads_per_group):
+    """Grouped longest-first orders (5 batch x kv-head columns: groups of 2 and 3 leave a short last group, 8 is
+    larger than the grid) still give each program one distinct tile: every element is written and right."""
+    q, k, v = _inputs(5, 70, 75, 2, 1, 32, 32, torch.float16, seed=13)
+    cfg = fwd_config(32, 32, q.dtype, True, q.device.type)
+    cfg = FwdConfig(32, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.tma, heads_per_group=heads_per_group)
+    o = torch.full((5, 70, 2, 32), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((5, 2, 70), float("nan"), dtype=torch.float32, device=q.device)
+    F.forward(q, k, v, 32**-0.5, True, out=o, lse_out=lse, config=cfg)
     _check(q, k, v, True, o, lse)
 
 

@@ -20,7 +20,7 @@ from .._mods import PLAIN, Mods, bias_4d
 from ..torch_impl import FWD_SCHEMA, autograd_formula, fake_forward, save_for_backward
 from ._common import (
     LOG2E, band_key_range, finalize_state, keep_scale, key_range, online_softmax_step, packed_rows, score_mod,
-    sequence_bounds, visible,
+    sequence_bounds, tile_order, visible,
 )
 from ._configs import fwd_config
 
@@ -44,14 +44,13 @@ def attention_fwd_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
     VARLEN: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     ALIBI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, SINK: tl.constexpr = False,
     DROPOUT: tl.constexpr = False,
 ):
     # Causal tiles near the bottom have the most key blocks: launch them first so the tail of the grid is short.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_m, pid_bh = tile_order(HEADS_PER_GROUP)
     pid_b = pid_bh // heads_kv  # int32 coordinate for tensor descriptors
     off_b = pid_b.to(tl.int64)  # int64 for pointer arithmetic: B·S·H·D may pass 2^31
     off_hkv = pid_bh % heads_kv
@@ -304,7 +303,7 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
         GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv,
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=causal and mods.band(causal) is None, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize,
+        USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, HEADS_PER_GROUP=cfg.heads_per_group,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
