@@ -26,10 +26,17 @@ _INTERPRETER = FwdConfig(block_m=64, block_n=32, num_warps=4, num_stages=1)
 # - d = 128, N = 4096: 64x64 w4 s3 with K/V through tensor descriptors (TMA) gave 519 non-causal / 470 causal
 #   TFLOP/s; the best pointer-load tile gave 483 / 432 (128x128 w8 s3 / 64x64 w4 s3).
 # - d = 64, N = 4096: the same TMA tile gave 440 / 399; the best pointer tiles 445 (64x64 w4) / 393 (128x64 w8).
-# - d = 256, N = 2048/8192: 128x32 w8 s3 (430-465 non-causal) beats 64x64 w4 s3 (339-368); every 128x64 or
-#   64x128 tile runs out of shared memory. TMA was not swept at d = 256.
+# - d = 256 (second sweep, with TMA, medians of 3 round-robin passes): 64x64 w4 s3 TMA gives 400 / 531 causal and
+#   482 / 515 non-causal at N = 2048 / 16384, against 342 / 470 and 442 / 486 for 128x32 w8 s3 with pointer loads;
+#   at N = 512 the order flips (194 against 212 causal). Q plus three stages of K and V fill 224 KiB of the 227 KiB
+#   of shared memory, so the variant flags (bias, ALiBi, dropout... need 241 KiB with all on) and loads without
+#   descriptors take the 128x32 tile (see fwd_config). Every 128x64 or 64x128 tile runs out of shared memory.
 # - tl.range(warp_specialize=True) fails to compile this kernel on sm_90 with triton 3.6 (NVGPUWarpSpecialization
 #   pass asserts), so no entry uses it.
+# - Causal, d = 128: programs run longest-first across groups of 4 (batch, kv head) columns (tile_order). Medians of
+#   5 round-robin passes at N = 2048 / 4096 / 8192 / 16384: 408 / 450 / 469 / 475 TFLOP/s against 400 / 433 /
+#   441 / 473 in the plain per-head order (groups of 2 and 8 fall between). At d = 64 and 256 (single passes) and
+#   non-causal (every d) the grouping measured flat or slower (L2 holds fewer heads' K/V), so they keep the plain order.
 _FWD_HALF = {
     16: FwdConfig(64, 64, 4, 3, tma=True),
     32: FwdConfig(64, 64, 4, 3, tma=True),
@@ -37,6 +44,8 @@ _FWD_HALF = {
     128: FwdConfig(64, 64, 4, 3, tma=True),
     256: FwdConfig(64, 64, 4, 3, tma=True),
 }
+_FWD_HALF_CAUSAL = {**_FWD_HALF, 128: FwdConfig(64, 64, 4, 3, tma=True, heads_per_group=4)}
+_FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 (above)
 
 # fp32 tiles take twice the shared memory and run as ieee fp32 (exactness before speed): smaller tiles.
 _FWD_FP32 = {
@@ -55,11 +64,18 @@ def _padded(d: int) -> int:
     return p
 
 
-def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool, device_type: str) -> FwdConfig:
+def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool, device_type: str, *,
+               seqlen_q: int | None = None, variants: bool = False, tma_ok: bool = True) -> FwdConfig:
+    """The tile for a launch. ``seqlen_q``: query rows per sequence (None: long); ``variants``: any score variant
+    flag is on; ``tma_ok``: K and V can go through tensor descriptors (aligned strides, not packed varlen)."""
     if device_type != "cuda":
         return _INTERPRETER
-    table = _FWD_FP32 if dtype == torch.float32 else _FWD_HALF
-    return table[_padded(max(head_dim, head_dim_v))]
+    padded = _padded(max(head_dim, head_dim_v))
+    if dtype == torch.float32:
+        return _FWD_FP32[padded]
+    if padded == 256 and (variants or not tma_ok or (seqlen_q is not None and seqlen_q <= 512)):
+        return _FWD_D256_SMALL
+    return (_FWD_HALF_CAUSAL if causal else _FWD_HALF)[padded]
 
 
 @dataclass(frozen=True)

@@ -227,16 +227,17 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
         if mods.sinks is None:
             return o, lse.fill_(float("-inf"))
         return o, lse.copy_(mods.sinks.view(hq, 1) if mods.varlen else mods.sinks.view(1, hq, 1))  # lse = the sink
-    cfg = config or fwd_config(q.shape[-1], dv, q.dtype, causal, q.device.type)
+    tma_ok = not mods.varlen and _tma_ok(k, v)  # a descriptor's bounds would be the whole pack, not a sequence
+    cfg = config or fwd_config(q.shape[-1], dv, q.dtype, causal, q.device.type, variants=mods is not PLAIN,
+                               seqlen_q=mods.max_seqlen_q if mods.varlen else q.shape[1], tma_ok=tma_ok)
+    use_tma = cfg.tma and tma_ok
     if mods.varlen:  # one launch over packed [1, total, H, D] views; each program finds its sequence
-        use_tma = False  # a descriptor's bounds are the whole pack, not a sequence
         q4, k4, v4, o4, lse3 = q[None], k[None], v[None], o[None], lse[None]
         check_int32_offsets(q=q4[:, : mods.max_seqlen_q], k=k4[:, : mods.max_seqlen_k], v=v4[:, : mods.max_seqlen_k],
                             o=o4[:, : mods.max_seqlen_q], lse=lse3)
         for seqs in batch_slices(mods.cu_seqlens_q.shape[0] - 1, hkv):
             _launch(q4, k4, v4, o4, lse3, scale, causal, cfg, use_tma, mods.batch_slice(seqs))
         return o, lse
-    use_tma = cfg.tma and _tma_ok(k, v)
     check_int32_offsets(q=q, o=o, lse=lse, **({} if use_tma else {"k": k, "v": v}))  # descriptors index K/V
     for batch in batch_slices(q.shape[0], hkv):
         _launch(q[batch], k[batch], v[batch], o[batch], lse[batch], scale, causal, cfg, use_tma,
