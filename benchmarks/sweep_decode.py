@@ -1,8 +1,12 @@
 """Sweep decode tiles and split counts on the GPU, timed under CUDA graphs (kernel time, no launch overhead), and
-break down the host time of one eager call at B = 1.
+measure the host time of one eager call at B = 1.
 
-Usage (on the GPU machine): PYTHONPATH=src python3 benchmarks/sweep_decode.py --json $OUT/sweep_decode.json
-The winners go into src/onlineattn/ops/_configs.py (decode tiles, the num_splits rule) with the measured reason.
+Usage (on the GPU machine):
+    PYTHONPATH=src python3 benchmarks/sweep_decode.py --quick            # the table's tile and the split rule, + host
+    PYTHONPATH=src python3 benchmarks/sweep_decode.py --json $OUT/sweep_decode.json   # every tile and split count
+
+Each case prints the automatic choice ("auto": ``decode_config`` + ``decode_num_splits``) beside the best measured
+ones, so a rule that misses shows as a gap. The winners go into src/onlineattn/ops/_configs.py with the reason.
 """
 
 import argparse
@@ -14,13 +18,15 @@ import torch
 import triton.testing
 
 from onlineattn.api import attention_with_kvcache as api_call
-from onlineattn.ops._configs import DecodeConfig
+from onlineattn.ops import _configs as C
+from onlineattn.ops.decode import _sm_count
 from onlineattn.ops.decode import attention_with_kvcache as kernel_call
 
 HQ, HKV, D = 32, 8, 128
-CASES = [(1, 4096), (1, 32768), (1, 131072), (16, 32768), (16, 131072), (64, 32768), (64, 131072)]
-TILES = [DecodeConfig(bn, 64, w, s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
-SPLITS = (0, 4, 8, 16, 32, 64, 128)
+CASES = [(1, 4096), (1, 32768), (1, 131072), (16, 4096), (16, 32768), (16, 131072), (64, 4096), (64, 32768),
+         (64, 131072)]
+TILES = [C.DecodeConfig(bn, 64, w, s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+SPLITS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
 
 
 def _inputs(b, length):
@@ -30,46 +36,61 @@ def _inputs(b, length):
     return q, k, v, lens
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--cases", nargs="*", default=None, help="B:L pairs (default: all)")
-    ap.add_argument("--no-host", action="store_true", help="skip the host-time breakdown")
-    args = ap.parse_args()
-    cases = [tuple(map(int, c.split(":"))) for c in args.cases] if args.cases else CASES
-    results = []
-    for b, length in cases:
-        q, k, v, lens = _inputs(b, length)
-        tbps = lambda ms: 2 * b * length * HKV * D * 2 / ms / 1e9
-        scores = []
-        for tile, splits in itertools.chain(((t, 0) for t in TILES), ((TILES[7], s) for s in SPLITS)):
-            fn = lambda: kernel_call(q, k, v, None, None, lens, None, D**-0.5, False, splits, max_seqlen_k=length,
-                                     config=tile)
-            try:
-                fn()
-                torch.cuda.synchronize()  # a fault is charged to this config, not to the next one
-                ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
-                torch.cuda.synchronize()
-            except Exception as err:
-                print(f"  B={b} L={length} {tile} splits={splits}: {type(err).__name__}: {str(err)[:80]}")
-                continue
-            scores.append((tbps(ms), ms, tile, splits))
-            results.append({"B": b, "L": length, "tile": tile.__dict__, "splits": splits, "us": round(ms * 1e3, 2),
-                            "tbps": round(tbps(ms), 3)})
-        scores.sort(key=lambda t: -t[0])
-        top = ", ".join(f"{tb:.2f} ({ms * 1e3:.1f}us) bn{t.block_n} w{t.num_warps} s{t.num_stages} sp{sp}"
-                        for tb, ms, t, sp in scores[:5])
-        print(f"B={b} L={length}: {top}", flush=True)
-        del q, k, v
-    if args.no_host:
-        return _write(args.json, results)
-    # Host time of one eager call at B = 1, L = 4096: the API (validation + dispatch) against the bare launcher.
+def _auto(b, length):
+    """The launcher's own choice for this case: (tile, splits)."""
+    sms = _sm_count(torch.device("cuda"))
+    tile = C.decode_config(D, D, torch.bfloat16, "cuda", batch_heads=b * HKV, max_seqlen_k=length, num_sms=sms)
+    return tile, C.decode_num_splits(b * HKV, length, sms, tile.block_n)
+
+
+def _label(tile, splits):
+    return f"bn{tile.block_n} w{tile.num_warps} s{tile.num_stages} sp{splits}"
+
+
+def sweep_case(b, length, tiles, splits_list, results):
+    q, k, v, lens = _inputs(b, length)
+    tbps = lambda ms: 2 * b * length * HKV * D * 2 / ms / 1e9
+    auto_tile, auto_splits = _auto(b, length)
+    configs = [("auto", auto_tile, auto_splits)]
+    configs += [("tile", t, 0) for t in tiles]
+    configs += [("splits", auto_tile, s) for s in splits_list]
+    scores = []
+    for kind, tile, splits in configs:
+        fn = lambda: kernel_call(q, k, v, None, None, lens, None, D**-0.5, False, splits, max_seqlen_k=length,
+                                 return_lse=False, config=tile)
+        try:
+            fn()
+            torch.cuda.synchronize()  # a fault is charged to this config, not to the next one
+            ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+            torch.cuda.synchronize()
+        except Exception as err:
+            print(f"  B={b} L={length} {_label(tile, splits)}: {type(err).__name__}: {str(err)[:80]}", flush=True)
+            continue
+        used = splits or C.decode_num_splits(b * HKV, length, _sm_count(q.device), tile.block_n)
+        scores.append((tbps(ms), ms, tile, used, kind))
+        results.append({"B": b, "L": length, "kind": kind, "tile": tile.__dict__, "splits": used,
+                        "us": round(ms * 1e3, 2), "tbps": round(tbps(ms), 3)})
+    auto = scores[0] if scores and scores[0][4] == "auto" else None
+    scores.sort(key=lambda t: -t[0])
+    top = ", ".join(f"{tb:.2f} ({ms * 1e3:.1f}us) {_label(t, sp)}" for tb, ms, t, sp, _ in scores[:4])
+    shown = f"{auto[0]:.2f} TB/s ({auto[1] * 1e3:.1f}us) {_label(auto[2], auto[3])}" if auto else "failed"
+    print(f"B={b} L={length}: auto {shown} | best {top}", flush=True)
+
+
+def host_times(results):
+    """Host time of one eager call at B = 1, L = 4096 (the time to return, without waiting), and wall time with the
+    GPU's work included, for the bare launcher and the API with and without its checks and a new token appended."""
     q, k, v, lens = _inputs(1, 4096)
+    k_new, v_new = k[:, :1].clone(), v[:, :1].clone()
+    before = lens - 1
     for name, fn in [
-        ("api checked", lambda: api_call(q, k, v, cache_seqlens=lens, causal=False)),
+        ("launcher", lambda: kernel_call(q, k, v, None, None, lens, None, D**-0.5, False, 0, max_seqlen_k=4096,
+                                         return_lse=False)),
         ("api unchecked", lambda: api_call(q, k, v, cache_seqlens=lens, causal=False, check_indices=False)),
+        ("api unchecked + append", lambda: api_call(q, k, v, k_new, v_new, cache_seqlens=before, causal=False,
+                                                    check_indices=False)),
         ("api int lengths", lambda: api_call(q, k, v, cache_seqlens=4096, causal=False, check_indices=False)),
-        ("launcher", lambda: kernel_call(q, k, v, None, None, lens, None, D**-0.5, False, 0, max_seqlen_k=4096)),
+        ("api checked", lambda: api_call(q, k, v, cache_seqlens=lens, causal=False)),
     ]:
         for _ in range(20):
             fn()
@@ -80,13 +101,25 @@ def main():
         host = (time.perf_counter() - t0) / 200 * 1e6
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / 200 * 1e6
+        results.append({"B": 1, "L": 4096, "host": name, "host_us": round(host, 1), "wall_us": round(wall, 1)})
         print(f"B=1 L=4096 {name}: host {host:.1f} us per call, wall {wall:.1f} us per call", flush=True)
-    _write(args.json, results)
 
 
-def _write(path, results):
-    if path:
-        with open(path, "w") as f:
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--cases", nargs="*", default=None, help="B:L pairs (default: all)")
+    ap.add_argument("--quick", action="store_true", help="only the automatic choice per case, then the host times")
+    ap.add_argument("--no-host", action="store_true", help="skip the host-time measurement")
+    args = ap.parse_args()
+    cases = [tuple(map(int, c.split(":"))) for c in args.cases] if args.cases else CASES
+    results = []
+    for b, length in cases:
+        sweep_case(b, length, [] if args.quick else TILES, [] if args.quick else SPLITS, results)
+    if not args.no_host:
+        host_times(results)
+    if args.json:
+        with open(args.json, "w") as f:
             json.dump(results, f)
 
 

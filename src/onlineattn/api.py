@@ -362,7 +362,7 @@ def attention_with_kvcache(
 
             o, lse = decode.attention_with_kvcache(
                 q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, num_splits,
-                max_seqlen_k=max_seqlen_k,
+                max_seqlen_k=max_seqlen_k, return_lse=return_lse,
             )
         else:
             o, lse = torch_impl.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,

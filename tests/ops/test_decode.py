@@ -162,11 +162,16 @@ def test_without_new_tokens_the_cache_is_only_read():
 
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
 def test_every_split_is_written_poisoned_outputs(num_splits, monkeypatch):
-    """Outputs and the partial buffers start as NaN; more splits than key blocks leave empty chunks, which must
-    still write (o = 0, lse = -inf) for the merge."""
-    poisoned = lambda *args: tuple(t.fill_(float("nan")) for t in real(*args))
-    real = D._alloc_partials
-    monkeypatch.setattr(D, "_alloc_partials", poisoned)
+    """Outputs and the split scratch start as NaN; more splits than key blocks leave empty chunks, which must still
+    write (o = 0, lse = -inf) for the merge. Fresh scratch for this test, so the poison is not another test's."""
+    real = D._workspace
+
+    def poisoned(*args):
+        work, counts = real(*args)
+        return work.fill_(float("nan")), counts
+
+    monkeypatch.setattr(D, "_WORKSPACES", {})
+    monkeypatch.setattr(D, "_workspace", poisoned)
     b, sq, hq, hkv, d = 2, 2, 4, 2, 16
     q, k, v = _sequence(b, 70, hq, hkv, d, d, torch.float32, seed=num_splits)
     k_cache, v_cache = k.clone(), v.clone()
@@ -178,6 +183,48 @@ def test_every_split_is_written_poisoned_outputs(num_splits, monkeypatch):
     exact = R.kvcache_attention(q[:, :sq], k_cache, v_cache, cache_seqlens=lens)
     R.assert_within_rule("o", o, exact[0], dtype_name="float32")
     R.assert_within_rule("lse", lse, exact[1], dtype_name="float32")
+    if num_splits > 1:
+        assert all(int(counts.abs().sum()) == 0 for _, counts in D._WORKSPACES.values()), "a counter was not reset"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_fused_merge_reuses_its_scratch(layout):
+    """The merge runs in the split kernel (the last split of each program merges), with scratch kept between calls:
+    many splits over odd lengths, paged or not, several query rows per program (two row blocks: GROUP 40 > 64 / 2
+    with Sq = 2) and a row that sees nothing, called twice in a row on the same scratch with different lengths."""
+    b, sq, hq, hkv, d, dv = 3, 2, 40, 1, 24, 40
+    n = 300
+    q, k, v = _sequence(b, n, hq, hkv, d, dv, torch.float32, seed=21)
+    k_cache, v_cache, table = _cache(layout, b, n, hkv, d, dv, torch.float32, seed=22)
+    onlineattn.attention_with_kvcache(q[:, :1], k_cache, v_cache, k, v, cache_seqlens=0, block_table=table)
+    for lengths, splits in (([1, 129, 300], 7), ([17, 1000 % n, 2], 7), ([299, 64, 33], 3)):
+        lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+        o, lse = onlineattn.attention_with_kvcache(q[:, :sq], k_cache, v_cache, cache_seqlens=lens, block_table=table,
+                                                   num_splits=splits, return_lse=True, backend="triton")
+        exact = R.kvcache_attention(q[:, :sq], k_cache, v_cache, cache_seqlens=lens, block_table=table)
+        R.assert_within_rule("o", o, exact[0], dtype_name="float32")
+        R.assert_within_rule("lse", lse, exact[1], dtype_name="float32")
+        for i, length in enumerate(lengths):  # a 2-query step over 1 key: its first query sees nothing
+            assert bool(torch.all(lse[i, :, 0] == float("-inf"))) == (length < sq)
+
+
+def test_lse_is_not_written_unless_asked():
+    q, k, v = _sequence(1, 40, 4, 2, 16, 16, torch.float32, seed=23)
+    lens = torch.tensor([40], dtype=torch.int32, device=DEVICE)
+    for splits in (1, 3):
+        o, lse = D.attention_with_kvcache(q[:, -1:], k, v, None, None, lens, None, 0.25, True, splits,
+                                          return_lse=False)
+        assert lse is None
+        R.assert_within_rule("o", o, R.kvcache_attention(q[:, -1:], k, v, cache_seqlens=lens, softmax_scale=0.25)[0],
+                             dtype_name="float32")
+
+
+def test_outputs_given_must_be_contiguous():
+    q, k, v = _sequence(1, 8, 4, 2, 16, 16, torch.float32, seed=24)
+    lens = torch.tensor([8], dtype=torch.int32, device=DEVICE)
+    strided = torch.empty(1, 1, 4, 32, device=DEVICE)[..., :16]
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        D.attention_with_kvcache(q[:, :1], k, v, None, None, lens, None, 0.25, True, 1, out=strided)
 
 
 def test_logits_near_fp16_overflow_and_non_contiguous_inputs():
@@ -218,16 +265,28 @@ def test_deterministic_bitwise():
 
 
 def test_split_heuristic():
-    """The provisional rule: no split once the grid has a program per SM, a split count that fills about two waves
-    otherwise, and never chunks shorter than the minimum number of blocks."""
+    """The measured rule (H200, 132 SMs, Hkv 8, 64-key blocks): one program per SM when the grid is small, chunks of
+    about 64 blocks (at most 16) when the cache is long, never chunks shorter than the minimum number of blocks."""
     sms, block = 132, 64
-    assert C.decode_num_splits(64 * 8, 32768, sms, block) == 1
-    assert C.decode_num_splits(132, 131072, sms, block) == 1
-    assert C.decode_num_splits(16 * 8, 131072, sms, block) == 3
-    assert C.decode_num_splits(8, 131072, sms, block) == 33
-    assert C.decode_num_splits(8, 4096, sms, block) == 4096 // block // C.DECODE_MIN_BLOCKS_PER_SPLIT
+    assert C.decode_num_splits(1 * 8, 32768, sms, block) == 16  # fill: 16 x 8 = 128 programs
+    assert C.decode_num_splits(1 * 8, 131072, sms, block) == 16
+    assert C.decode_num_splits(1 * 8, 4096, sms, 128) == 8  # the minimum chunk: 32 blocks / 4
+    assert C.decode_num_splits(64 * 8, 32768, sms, block) == 8  # balance: 512 blocks / 64
+    assert C.decode_num_splits(64 * 8, 131072, sms, block) == 16  # balance, capped
+    assert C.decode_num_splits(64 * 8, 4096, sms, block) == 1
+    assert C.decode_num_splits(16 * 8, 131072, sms, block) == 16
     assert C.decode_num_splits(8, 100, sms, block) == 1
-    assert C.decode_num_splits(1, 10**7, sms, block) == C.DECODE_MAX_SPLITS
+    assert C.decode_num_splits(1, 10**7, 1000, block) == C.DECODE_MAX_SPLITS
+
+
+def test_decode_tiles():
+    """Short caches split across the SMs take 128-key blocks; everything else 64-key, 4-warp, 2-stage tiles."""
+    pick = lambda bh, length: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=bh, max_seqlen_k=length,
+                                              num_sms=132)
+    assert pick(8, 4096) == C.DecodeConfig(128, 64, 4, 2)
+    for bh, length in ((8, 32768), (128, 4096), (512, 131072), (8, 0)):
+        assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 2)
+    assert C.decode_config(128, 128, torch.float32, "cuda", batch_heads=8, max_seqlen_k=4096, num_sms=132).block_n == 32
 
 
 # ---------------------------------------------------------------------------------------------------------------

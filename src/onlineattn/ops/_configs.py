@@ -176,30 +176,51 @@ class DecodeConfig:
 
 _DECODE_INTERPRETER = DecodeConfig(block_n=32, block_m=64, num_warps=4, num_stages=1)
 
-# Provisional and unmeasured (issue #5's GPU pass measures them with `onlineattn bench decode`): 64-key blocks as in
-# the forward, 32 at d = 256 to leave shared memory for 3 stages; float32 halves the keys per block again.
-_DECODE_HALF = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4, 3), 64: DecodeConfig(64, 64, 4, 3),
-                128: DecodeConfig(64, 64, 4, 3), 256: DecodeConfig(32, 64, 4, 2)}
+# H200, bf16, d = 128 (benchmarks/sweep_decode.py, graph-timed, 2026-11-29; benchmarks/NOTES.md "Decode v1"):
+# - 64 keys, 4 warps, 2 stages led at B = 16 (4.39 TB/s at L = 32k, 4.47 at 128k) where 3 stages gave 4.24 / 4.37.
+#   Other head dims are not measured: they keep 64 keys and take the same 2 stages (d = 256 already had 32 keys, 2
+#   stages, to leave shared memory).
+# - B = 1, L = 4k was fastest with 128-key blocks (18.0 us): a short cache split across the SMs leaves each program
+#   a few blocks, and a larger block halves the loop trips and the per-block latency that dominates there. Used only
+#   where that case lies: a grid split to fill the SMs (at most half as many (sequence, kv head) pairs as SMs) and
+#   L <= DECODE_SHORT_CACHE. Its warps and stages were not singled out by the sweep: 4 and 2, as the 64-key winner.
+_DECODE_HALF = {16: DecodeConfig(64, 64, 4, 2), 32: DecodeConfig(64, 64, 4, 2), 64: DecodeConfig(64, 64, 4, 2),
+                128: DecodeConfig(64, 64, 4, 2), 256: DecodeConfig(32, 64, 4, 2)}
+_DECODE_HALF_SHORT = {16: DecodeConfig(128, 64, 4, 2), 32: DecodeConfig(128, 64, 4, 2),
+                      64: DecodeConfig(128, 64, 4, 2), 128: DecodeConfig(128, 64, 4, 2)}
+DECODE_SHORT_CACHE = 4096
+# float32 (ieee dots, exactness before speed) halves the keys per block; unmeasured.
 _DECODE_FP32 = {16: DecodeConfig(32, 64, 4, 2), 32: DecodeConfig(32, 64, 4, 2), 64: DecodeConfig(32, 64, 4, 2),
                 128: DecodeConfig(32, 64, 4, 2), 256: DecodeConfig(16, 32, 4, 1)}
 
 
-def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str) -> DecodeConfig:
+def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *, batch_heads: int = 0,
+                  max_seqlen_k: int = 0, num_sms: int = 0) -> DecodeConfig:
+    """The tile for a decode launch over ``batch_heads`` (sequence, kv head) pairs and keys up to ``max_seqlen_k``
+    (0: unknown, which takes the long-cache tile)."""
     if device_type != "cuda":
         return _DECODE_INTERPRETER
-    table = _DECODE_FP32 if dtype == torch.float32 else _DECODE_HALF
-    return table[_padded(max(head_dim, head_dim_v))]
+    padded = _padded(max(head_dim, head_dim_v))
+    if dtype == torch.float32:
+        return _DECODE_FP32[padded]
+    short = 0 < max_seqlen_k <= DECODE_SHORT_CACHE and 0 < 2 * batch_heads <= num_sms
+    return _DECODE_HALF_SHORT.get(padded, _DECODE_HALF[padded]) if short else _DECODE_HALF[padded]
 
 
-# Split-KV heuristic for num_splits=0. PROVISIONAL AND UNMEASURED: written before any H200 run; the lead measures it
-# on the B x L grid of `onlineattn bench decode` and replaces these reasons with measured ones. The reasoning:
-# - decoding is bandwidth-bound, so what matters is enough programs streaming K/V on every SM; once the grid
-#   (B · Hkv · row blocks) has a program per SM, splitting only adds partial writes and a merge;
-# - below that, split each (sequence, kv head) so the grid reaches about DECODE_TARGET_WAVES programs per SM (the
-#   H200 has 132 SMs; more than one resident program per SM hides load latency);
-# - every split keeps at least DECODE_MIN_BLOCKS_PER_SPLIT key blocks so the per-program prologue and the merge
-#   (S · B · Hq · Dv float32, written and read once) stay small next to the K/V bytes.
-DECODE_TARGET_WAVES = 2
+# Split-KV rule for num_splits = 0, from the same sweep (B = 1, 16, 64 x L = 4k, 32k, 128k; Hq 32, Hkv 8, d 128;
+# grid = B · Hkv · row blocks programs per split). Two needs, and the larger wins:
+# - Fill: a grid with fewer programs than SMs leaves SMs idle, so split each (sequence, kv head) into
+#   floor(SMs / programs) chunks: one program per SM, no second partial wave. B = 1: 16 splits (128 programs on
+#   132 SMs); at L = 32k they took 55.9 us where the old rule's 33 splits (264 programs) took 68.5 us. One
+#   program per SM can stream at full rate: B = 16, L = 128k ran 128 single-split programs at 4.42 TB/s.
+# - Balance: a long cache in a full grid still leaves a tail (a few long programs per SM finishing at different
+#   times), so cut it into chunks of about DECODE_BALANCE_BLOCKS blocks, at most DECODE_BALANCE_MAX_SPLITS.
+#   B = 64 (512 programs): 8 splits gave 4.46 TB/s at L = 32k (512 blocks -> 64 per chunk) and 16 gave 4.54 at
+#   128k (2048 blocks, capped at 16), against <= 4.41 for one split.
+# Every chunk keeps at least DECODE_MIN_BLOCKS_PER_SPLIT blocks (B = 1, L = 4k: 8 splits of 4 128-key blocks took
+# 18.0 us), and there are never more than DECODE_MAX_SPLITS.
+DECODE_BALANCE_BLOCKS = 64
+DECODE_BALANCE_MAX_SPLITS = 16
 DECODE_MIN_BLOCKS_PER_SPLIT = 4
 DECODE_MAX_SPLITS = 128
 INTERPRETER_SMS = 8  # a stand-in SM count for CPU tensors under the interpreter
@@ -207,9 +228,8 @@ INTERPRETER_SMS = 8  # a stand-in SM count for CPU tensors under the interpreter
 
 def decode_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: int) -> int:
     """Key chunks per (sequence, kv head) for a grid of ``programs`` per split, keys up to ``max_seqlen_k``."""
-    if programs >= num_sms:
-        return 1
     blocks = -(-max_seqlen_k // block_n)
-    most = max(1, min(DECODE_MAX_SPLITS, blocks // DECODE_MIN_BLOCKS_PER_SPLIT))
-    wanted = -(-DECODE_TARGET_WAVES * num_sms // max(programs, 1))
-    return max(1, min(most, wanted))
+    fill = num_sms // max(programs, 1)
+    balance = min(DECODE_BALANCE_MAX_SPLITS, blocks // DECODE_BALANCE_BLOCKS)
+    most = min(DECODE_MAX_SPLITS, blocks // DECODE_MIN_BLOCKS_PER_SPLIT)
+    return max(1, min(most, max(fill, balance)))

@@ -1,6 +1,6 @@
 """Split-KV decoding (flash-decoding) in Triton: attention of a few query tokens over a long KV cache.
 
-Read top-down: the split kernel, then the launcher (append the new tokens, choose the splits, launch, merge).
+Read top-down: the kernel and its helpers, then the launcher (append the new tokens, choose the splits, launch).
 
 Decoding reads every cached K/V byte once per step and does little arithmetic on it, so the kernel is built to keep
 the memory system busy:
@@ -9,10 +9,11 @@ the memory system busy:
   ``r // GROUP`` of head ``kv_head · GROUP + r % GROUP`` (as in ``forward.py``), so K and V are read once for the
   whole group. With many query tokens (chunked prefill) rows beyond ``BLOCK_M`` run as further programs.
 - Split-KV. With few (sequence, kv head) pairs there are too few programs to fill the GPU, so the key range of each
-  sequence is cut into ``num_splits`` chunks processed in parallel. Each writes a float32 partial state
-  ``(o_partial [S, B, Sq, Hq, Dv], lse_partial [S, B, Hq, Sq])`` and ``merge.py`` combines them exactly. A sequence's
-  chunks follow its own length (read on the device), so sequences of different lengths split evenly. With one split
-  the kernel writes o and lse directly.
+  sequence is cut into ``num_splits`` chunks processed in parallel. Each writes a float32 partial state into a
+  scratch buffer and counts itself in with an atomic; the last split of a program to arrive merges all of them, in
+  split order (deterministic whichever arrives last), writes o and lse, and resets its counter for the next launch.
+  One launch, no second merge kernel. A sequence's chunks follow its own length (read on the device), so sequences
+  of different lengths split evenly. With one split the kernel writes o and lse directly.
 - Caches. Contiguous ``[B, L_max, Hkv, D]`` or paged ``[num_pages, page_size, Hkv, D]``: for a paged cache each key
   block gathers its page ids from the block table (``page_and_slot``), so a block may span pages and any page size
   that is a multiple of 16 works with any block size.
@@ -25,14 +26,16 @@ diagonal and the end of the sequence) the masked one; blocks no row sees are nev
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from . import cache, merge
-from ._common import LOG2E, finalize_state, key_range, online_softmax_step, packed_rows, page_and_slot
-from ._configs import INTERPRETER_SMS, decode_config, decode_num_splits
+from . import cache
+from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
+                      packed_rows, page_and_slot)
+from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_num_splits
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
 
 
@@ -50,26 +53,50 @@ def _load_kv_block(K, V, BLOCK_TABLE, off_bt, off_b, off_hkv, pos, m_n, o_d, o_d
 
 
 @triton.jit
-def decode_split_kernel(
-    Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, O, LSE,
+def _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q,
+                 HEADS_Q: tl.constexpr, HEAD_DIM_V: tl.constexpr, STORE_LSE: tl.constexpr):
+    """Rows of the contiguous outputs ``o [B, Sq, Hq, Dv]`` (q's dtype) and, with ``STORE_LSE``, ``lse [B, Hq, Sq]``."""
+    p_o = O + ((off_b * seqlen_q + o_i[:, None]) * HEADS_Q + o_h[:, None]) * HEAD_DIM_V + o_dv[None, :]
+    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_r[:, None] & m_dv[None, :])
+    if STORE_LSE:
+        tl.store(LSE + (off_b * HEADS_Q + o_h) * seqlen_q + o_i, b_lse, mask=m_r)
+
+
+@triton.jit
+def _merge_splits(p_o, p_lse, split_stride_o, split_stride_lse, num_splits, m_r, m_dv,
+                  BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Merge the ``num_splits`` partial states of one program's rows, always in split order 0, 1, ..., so the result
+    does not depend on which split finished last. Loads go through L2 (``.cg``): other SMs wrote them."""
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for s in range(num_splits):
+        lse_s = tl.load(p_lse + s * split_stride_lse, mask=m_r, other=float("-inf"), cache_modifier=".cg")
+        o_s = tl.load(p_o + s * split_stride_o, mask=m_r[:, None] & m_dv[None, :], other=0.0, cache_modifier=".cg")
+        m, l, acc = merge_state_step(m, l, acc, lse_s, o_s)
+    return finalize_merge(m, l, acc)
+
+
+@triton.jit
+def decode_kernel(
+    Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, O, LSE, WORK, COUNTS,
     stride_qb, stride_qs, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_vp, stride_vs, stride_vh,
     stride_btb,
-    stride_oz, stride_ob, stride_os, stride_oh,
-    stride_lz, stride_lb, stride_lh,
-    seqlen_q, seqlen_new, heads_kv, num_splits, qk_scale,
-    GROUP: tl.constexpr,
+    seqlen_q, seqlen_new, num_splits, qk_scale,
+    HEADS_KV: tl.constexpr, GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
-    off_b = (pid_bh // heads_kv).to(tl.int64)
-    off_hkv = pid_bh % heads_kv
+    off_b = (pid_bh // HEADS_KV).to(tl.int64)
+    off_hkv = pid_bh % HEADS_KV
     off_bt = off_b * stride_btb
     seqlen_k = tl.load(CACHE_SEQLENS + off_b) + seqlen_new
 
@@ -118,16 +145,34 @@ def decode_split_kernel(
         p, m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, qk_scale, MASKED=True)
         acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
 
-    # Every program stores, even one whose chunk is empty (o = 0, lse = -inf): the merge reads every split.
     b_o, b_lse = finalize_state(m_i, l_i, acc)
-    off_z = split.to(tl.int64)
-    p_o = O + off_z * stride_oz + off_b * stride_ob + o_i[:, None] * stride_os + o_h[:, None] * stride_oh + o_dv[None, :]
-    tl.store(p_o, b_o.to(O.dtype.element_ty), mask=m_r[:, None] & m_dv[None, :])
-    tl.store(LSE + off_z * stride_lz + off_b * stride_lb + o_h * stride_lh + o_i, b_lse, mask=m_r)
+    if SPLIT:
+        # Every split stores its partial state, even an empty chunk (o = 0, lse = -inf): the merge reads them all.
+        # WORK holds o partials [B·Hkv, S, R, Dv] then lse partials [B·Hkv, S, R], R = Sq·GROUP packed rows.
+        rows = seqlen_q * GROUP
+        o_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        first = pid_bh.to(tl.int64) * num_splits
+        p_o = WORK + ((first * rows + o_r) * HEAD_DIM_V)[:, None] + o_dv[None, :]
+        p_lse = WORK + tl.num_programs(0).to(tl.int64) * num_splits * rows * HEAD_DIM_V + first * rows + o_r
+        tl.store(p_o + split * rows * HEAD_DIM_V, b_o, mask=m_r[:, None] & m_dv[None, :])
+        tl.store(p_lse + split * rows, b_lse, mask=m_r)
+        # The last of the program's splits to finish merges them all. The barrier puts every thread's stores
+        # before the counter's release; the acquire side orders the merge's loads after the other splits' stores.
+        tl.debug_barrier()
+        p_count = COUNTS + pid_bh * tl.num_programs(1) + pid_m
+        if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.store(p_count, 0)  # ready for the next launch that uses this workspace
+            b_o, b_lse = _merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M, BLOCK_DV)
+            _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP,
+                         HEAD_DIM_V, STORE_LSE)
+    else:
+        _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP, HEAD_DIM_V,
+                     STORE_LSE)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Launcher.
+# Launcher. A decode loop calls it with the same shapes every step, so everything that depends only on shapes and
+# strides is computed once (``_plan``) and the split scratch is allocated once per size (``_workspace``).
 
 
 @functools.lru_cache(maxsize=None)
@@ -137,71 +182,137 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _alloc_partials(splits: int, b: int, sq: int, hq: int, dv: int, device):
-    """Float32 partial states ``(o [S, B, Sq, Hq, Dv], lse [S, B, Hq, Sq])``; a function of its own so that tests can
-    poison them."""
-    return (torch.empty((splits, b, sq, hq, dv), dtype=torch.float32, device=device),
-            torch.empty((splits, b, hq, sq), dtype=torch.float32, device=device))
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    grid_bh: int  # programs along axis 0: B · Hkv
+    row_blocks: int  # programs along axis 1: packed rows Sq · GROUP in blocks of block_m
+    capacity: int  # most keys one sequence can hold
+    strides: tuple  # q, k_cache, v_cache and block-table strides, in the kernel's order
+    constexprs: dict
+
+
+_PLANS: dict = {}
+_MAX_PLANS = 256  # shapes a process decodes with are few; past this the table starts over
+
+
+def _plan(q, k_cache, v_cache, block_table, cfg: DecodeConfig, causal: bool) -> _Plan:
+    paged = block_table is not None
+    key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
+           block_table.shape[1] if paged else -1, block_table.stride(0) if paged else 0, cfg, causal)
+    plan = _PLANS.get(key)
+    if plan is None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        plan = _PLANS[key] = _make_plan(q, k_cache, v_cache, block_table, cfg, causal)
+    return plan
+
+
+def _make_plan(q, k_cache, v_cache, block_table, cfg: DecodeConfig, causal: bool) -> _Plan:
+    b, sq, hq, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[3]
+    group = hq // hkv
+    paged = block_table is not None
+    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(sq * group)))
+    row_blocks = -(-sq * group // block_m)
+    if row_blocks > MAX_GRID_Y:
+        raise ValueError(f"{sq} query tokens x {group} heads per kv head need {row_blocks} row blocks, beyond the "
+                         f"decode kernel's limit of {MAX_GRID_Y}; use onlineattn.attention for long prefills")
+    check_int32_offsets(q=q)
+    if not paged:  # a contiguous cache is indexed in int32 within a batch entry (pages are indexed in int64)
+        check_int32_offsets(k_cache=k_cache, v_cache=v_cache)
+    strides = (*q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0) if paged else 0)
+    constexprs = dict(
+        HEADS_KV=hkv, GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=causal,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    return _Plan(b * hkv, row_blocks, capacity, strides, constexprs)
+
+
+_WORKSPACES: dict = {}
+
+
+def _stream_id(device: torch.device) -> int:
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+
+
+def _workspace(device: torch.device, floats: int, counters: int):
+    """Scratch for split partials (float32, at least ``floats``) and arrival counters (int32, at least ``counters``,
+    zero between launches: the merging program resets its counter).
+
+    One pair per (device, stream, power-of-two size class), never freed: launches on one stream run in order, so
+    they can share it, and a CUDA graph that captured a launch keeps pointing at memory that stays allocated.
+    Launches on different streams get different scratch.
+    """
+    floats, counters = 1 << (floats - 1).bit_length(), 1 << (counters - 1).bit_length()
+    key = (device, _stream_id(device), floats, counters)
+    scratch = _WORKSPACES.get(key)
+    if scratch is None:
+        scratch = _WORKSPACES[key] = (torch.empty(floats, dtype=torch.float32, device=device),
+                                      torch.zeros(counters, dtype=torch.int32, device=device))
+    return scratch
+
+
+def _checked_out(x: torch.Tensor, name: str, shape: tuple, dtype) -> torch.Tensor:
+    if tuple(x.shape) != shape or x.dtype != dtype or not x.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape}, got {x.dtype} "
+                         f"{tuple(x.shape)} with strides {x.stride()}")
+    return x
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale: float, causal: bool,
-                           num_splits: int, *, max_seqlen_k=None, out=None, lse_out=None, config=None):
-    """Append ``k``/``v`` (if given) into the caches, then attend: ``(o [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)``.
+                           num_splits: int, *, max_seqlen_k=None, return_lse=True, out=None, lse_out=None,
+                           config=None):
+    """Append ``k``/``v`` (if given) into the caches, then attend in one launch: ``(o [B, Sq, Hq, Dv], lse [B, Hq, Sq]
+    float32)``, lse None when ``return_lse`` is False (it is then never written).
 
     ``q [B, Sq, Hq, D]``; caches ``[B, L_max, Hkv, D]`` or ``[num_pages, page_size, Hkv, D]`` with ``block_table
     [B, max_pages]`` int32; ``cache_seqlens`` int32 ``[B]``, on the device (validated by the caller, values included).
     ``num_splits = 0`` chooses with ``decode_num_splits`` from the grid, ``max_seqlen_k`` (if known, else the cache's
-    capacity) and the SM count. ``out``/``lse_out`` let tests pass pre-poisoned buffers; ``config`` overrides the table.
+    capacity) and the SM count. ``out``/``lse_out`` (contiguous) let tests pass pre-poisoned buffers; ``config``
+    overrides the table.
     """
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32; q has dtype {q.dtype}")
     if k is not None:
         cache.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
-    q = _last_dim_contiguous(q)
-    b, sq, hq, d = q.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    b, sq, hq, _ = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
-    group = hq // hkv
-    o = torch.empty((b, sq, hq, dv), dtype=q.dtype, device=q.device) if out is None else out
-    lse = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device) if lse_out is None else lse_out
-    if o.stride(-1) != 1 or lse.stride(-1) != 1:
-        raise ValueError("out and lse_out must be contiguous in their last dim")
+    device = q.device
+    o_shape, lse_shape = (b, sq, hq, dv), (b, hq, sq)
+    o = torch.empty(o_shape, dtype=q.dtype, device=device) if out is None else _checked_out(out, "out", o_shape, q.dtype)
+    if lse_out is not None:
+        lse = _checked_out(lse_out, "lse_out", lse_shape, torch.float32)
+    else:
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=device) if return_lse else None
     if b * sq * hq == 0:
         return o, lse
 
-    cfg = config or decode_config(d, dv, q.dtype, q.device.type)
-    paged = block_table is not None
-    page_size = k_cache.shape[1] if paged else 0
-    capacity = block_table.shape[1] * page_size if paged else k_cache.shape[1]
-    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(sq * group)))
-    row_blocks = triton.cdiv(sq * group, block_m)
-    if row_blocks > MAX_GRID_Y:
-        raise ValueError(f"{sq} query tokens x {group} heads per kv head need {row_blocks} row blocks, beyond the "
-                         f"decode kernel's limit of {MAX_GRID_Y}; use onlineattn.attention for long prefills")
-    longest = capacity if max_seqlen_k is None else max_seqlen_k
+    longest = max_seqlen_k
+    if longest is None:  # the capacity bounds every length without reading them
+        longest = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
+    sms = _sm_count(device)
+    cfg = config or decode_config(q.shape[3], dv, q.dtype, device.type, batch_heads=b * hkv, max_seqlen_k=longest,
+                                  num_sms=sms)
+    plan = _plan(q, k_cache, v_cache, block_table, cfg, causal)
     if num_splits == 0:
-        num_splits = decode_num_splits(b * hkv * row_blocks, longest, _sm_count(q.device), cfg.block_n)
-    num_splits = max(1, min(num_splits, triton.cdiv(longest, cfg.block_n)))  # more would only add empty chunks
-
-    check_int32_offsets(q=q, o=o, lse=lse)
-    if not paged:  # a contiguous cache is indexed in int32 within a batch entry (pages are indexed in int64)
-        check_int32_offsets(k_cache=k_cache, v_cache=v_cache)
-    if num_splits == 1:
-        part_o, part_lse = o[None], lse[None]
-    else:
-        part_o, part_lse = _alloc_partials(num_splits, b, sq, hq, dv, q.device)
-    decode_split_kernel[(b * hkv, row_blocks, num_splits)](
-        q, k_cache, v_cache, cache_seqlens, block_table if paged else cache_seqlens, part_o, part_lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        *k_cache.stride()[:3], *v_cache.stride()[:3],
-        block_table.stride(0) if paged else 0,
-        *part_o.stride()[:4], *part_lse.stride()[:3],
-        sq, 0 if k is None else k.shape[1], hkv, num_splits, scale * LOG2E,
-        GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        BLOCK_M=block_m, BLOCK_N=cfg.block_n,
-        PAGE_SIZE=page_size, CAUSAL=causal, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        num_splits = decode_num_splits(plan.grid_bh * plan.row_blocks, longest, sms, cfg.block_n)
+    num_splits = max(1, min(num_splits, -(-longest // cfg.block_n)))  # more would only add empty chunks
     if num_splits > 1:
-        merge.merge_states_list(part_o, part_lse, out=o, lse_out=lse)
+        tiles = plan.grid_bh * num_splits * sq * (hq // hkv)
+        work, counts = _workspace(device, tiles * (dv + 1), plan.grid_bh * plan.row_blocks)
+    else:
+        work, counts = o, cache_seqlens  # unused: stand-ins of the right kind
+    decode_kernel[(plan.grid_bh, plan.row_blocks, num_splits)](
+        q, k_cache, v_cache, cache_seqlens, cache_seqlens if block_table is None else block_table,
+        o, o if lse is None else lse, work, counts,
+        *plan.strides,
+        sq, 0 if k is None else k.shape[1], num_splits, scale * LOG2E,
+        SPLIT=num_splits > 1, STORE_LSE=lse is not None, **plan.constexprs,
+    )
     return o, lse
