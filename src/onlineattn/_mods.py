@@ -61,8 +61,16 @@ class Mods:
     @classmethod
     def from_op_args(cls, args) -> "Mods":
         """The inverse of ``op_args``. The dispatcher passes an op's arguments positionally up to the last one given,
-        so trailing defaults may be missing; they take the field defaults."""
-        return cls(*args)
+        so trailing defaults may be missing; they take the field defaults. Defaults alone give ``PLAIN`` itself,
+        whose launches skip every variant's Python (``mods is PLAIN``)."""
+        return cls(*args).canonical() if args else PLAIN
+
+    def canonical(self) -> "Mods":
+        """``PLAIN`` when every field has its default (a plain call rebuilt from saved state), else ``self``."""
+        plain = (self.window_left == -1 and self.window_right == -1 and self.softcap == 0.0 and self.dropout_p == 0.0
+                 and self.max_seqlen_q == 0 and self.max_seqlen_k == 0 and self.batch0 == 0
+                 and all(getattr(self, name) is None for name in _TENSOR_FIELDS))
+        return PLAIN if plain else self
 
     @classmethod
     def from_bwd_args(cls, args) -> tuple["Mods", bool]:
@@ -113,6 +121,7 @@ class Mods:
 
 
 PLAIN = Mods()
+_TENSOR_FIELDS = ("alibi_slopes", "attn_bias", "sinks", "rng", "cu_seqlens_q", "cu_seqlens_k")
 
 
 def bias_4d(bias: torch.Tensor) -> torch.Tensor:

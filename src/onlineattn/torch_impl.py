@@ -356,6 +356,7 @@ def save_for_backward(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, *output, mods.alibi_slopes, mods.attn_bias, mods.sinks, mods.rng,
                           mods.cu_seqlens_q, mods.cu_seqlens_k)
     ctx.scale, ctx.causal = scale, causal
+    ctx.set_materialize_grads(False)  # an unused lse (the usual case) reaches the backward as None, not zeros
     ctx.mod_scalars = (mods.window_left, mods.window_right, mods.softcap, mods.dropout_p, mods.max_seqlen_q,
                        mods.max_seqlen_k)
 
@@ -367,10 +368,14 @@ def autograd_formula(backward_op):
     def formula(ctx, do, dlse):
         q, k, v, o, lse, slopes, bias, sinks, rng, cu_q, cu_k = ctx.saved_tensors
         left, right, softcap, p, max_q, max_k = ctx.mod_scalars
-        mods = Mods(left, right, softcap, slopes, bias, sinks, p, rng, cu_q, cu_k, max_q, max_k)
+        mods = Mods(left, right, softcap, slopes, bias, sinks, p, rng, cu_q, cu_k, max_q, max_k).canonical()
         bias_grad = bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
-        dq, dk, dv, dbias, dsinks = backward_op(do, q, k, v, o, lse, dlse, ctx.scale, ctx.causal, *mods.op_args(),
-                                                bias_grad)
+        if do is None:  # only lse was used (grads are not materialised: an unused lse costs no zero-filled tensor)
+            do = torch.zeros_like(o)
+        args = (do, q, k, v, o, lse, dlse, ctx.scale, ctx.causal)
+        # A plain call passes only the plain arguments: each further argument costs the dispatcher time.
+        dq, dk, dv, dbias, dsinks = backward_op(*args) if mods is PLAIN else backward_op(*args, *mods.op_args(),
+                                                                                         bias_grad)
         grads = [dq, dk, dv] + [None] * (len(ctx.needs_input_grad) - 3)
         if bias_grad:
             grads[_BIAS_INPUT] = dbias

@@ -408,6 +408,10 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
         else:
             check_int32_offsets(q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse)
             for rows in batch_slices(b, max(hq, hkv)):
+                if rows == slice(0, b):  # the whole batch: no views to make (each costs host time)
+                    _preprocess(o, do, lse, dlse, delta)
+                    _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys, mods)
+                    continue
                 _preprocess(o[rows], do[rows], lse[rows], None if dlse is None else dlse[rows], delta[rows])
                 _launch(do[rows], q[rows], k[rows], v[rows], lse[rows], delta[rows], dq[rows], dk[rows], dv[rows],
                         scale, causal, cfg, tma_rows, tma_keys, mods.batch_slice(rows))

@@ -189,6 +189,8 @@ INT32_LIMIT = 2**31
 def check_int32_offsets(**tensors) -> None:
     """The kernels add offsets within one batch entry in int32 (the batch offset is int64): the largest must fit."""
     for name, x in tensors.items():
+        if x.untyped_storage().nbytes() < INT32_LIMIT * x.element_size():  # no offset into x's storage can reach it
+            continue
         if sum((size - 1) * stride for size, stride in zip(x.shape[1:], x.stride()[1:])) >= INT32_LIMIT:
             raise ValueError(
                 f"{name} of shape {tuple(x.shape)} spans more than 2^31 elements within one batch entry, beyond the "
@@ -240,8 +242,11 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
         return o, lse
     check_int32_offsets(q=q, o=o, lse=lse, **({} if use_tma else {"k": k, "v": v}))  # descriptors index K/V
     for batch in batch_slices(q.shape[0], hkv):
-        _launch(q[batch], k[batch], v[batch], o[batch], lse[batch], scale, causal, cfg, use_tma,
-                mods.batch_slice(batch))
+        if batch == slice(0, q.shape[0]):  # the whole batch: no views to make (each costs host time)
+            _launch(q, k, v, o, lse, scale, causal, cfg, use_tma, mods)
+        else:
+            _launch(q[batch], k[batch], v[batch], o[batch], lse[batch], scale, causal, cfg, use_tma,
+                    mods.batch_slice(batch))
     return o, lse
 
 
