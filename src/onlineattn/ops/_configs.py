@@ -215,6 +215,11 @@ _DECODE_HALF = {16: DecodeConfig(64, 64, 4, 2), 32: DecodeConfig(64, 64, 4, 2), 
 _DECODE_HALF_SHORT = {16: DecodeConfig(128, 64, 4, 2), 32: DecodeConfig(128, 64, 4, 2),
                       64: DecodeConfig(128, 64, 4, 2), 128: DecodeConfig(128, 64, 4, 2)}
 DECODE_SHORT_CACHE = 4096
+# - A long cache over a grid split to fill the SMs (B = 1) runs about one program per SM, so each program alone must
+#   keep enough loads in flight: 3 stages, as in v1, which streamed B = 1, L = 128k at 3.38 TB/s (graph) where
+#   2 stages at the same split count give 2.40 (bench rows of 369cefa).
+_DECODE_HALF_FILL = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4, 3), 64: DecodeConfig(64, 64, 4, 3),
+                     128: DecodeConfig(64, 64, 4, 3)}
 # float32 (ieee dots, exactness before speed) halves the keys per block; unmeasured.
 _DECODE_FP32 = {16: DecodeConfig(32, 64, 4, 2), 32: DecodeConfig(32, 64, 4, 2), 64: DecodeConfig(32, 64, 4, 2),
                 128: DecodeConfig(32, 64, 4, 2), 256: DecodeConfig(16, 32, 4, 1)}
@@ -229,8 +234,10 @@ def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_typ
     padded = _padded(max(head_dim, head_dim_v))
     if dtype == torch.float32:
         return _DECODE_FP32[padded]
-    short = 0 < max_seqlen_k <= DECODE_SHORT_CACHE and 0 < 2 * batch_heads <= num_sms
-    return _DECODE_HALF_SHORT.get(padded, _DECODE_HALF[padded]) if short else _DECODE_HALF[padded]
+    filling = 0 < 2 * batch_heads <= num_sms  # a grid split to fill the SMs: about one program per SM
+    if filling and 0 < max_seqlen_k <= DECODE_SHORT_CACHE:
+        return _DECODE_HALF_SHORT.get(padded, _DECODE_HALF[padded])
+    return _DECODE_HALF_FILL.get(padded, _DECODE_HALF[padded]) if filling else _DECODE_HALF[padded]
 
 
 # Split-KV rule for num_splits = 0, from the same sweep (B = 1, 16, 64 x L = 4k, 32k, 128k; Hq 32, Hkv 8, d 128;
