@@ -5,7 +5,6 @@ an sm_90 target; the launchers are called as usual, with every launch turned int
 
     python benchmarks/compile_sm90.py --base 6ed21b2      # plain kernels: PTX and SASS of HEAD's tree vs the base's
     python benchmarks/compile_sm90.py --variants           # every score variant compiles, with its shared memory
-    python benchmarks/compile_sm90.py --fused-d256         # the fused-dQ d = 256 candidates: shared, registers, spills
 
 The comparison ignores debug info, labels and parameter declarations (new unused parameters are expected), so
 "identical" means the same PTX instructions in the same order; SASS is compared as nvdisasm prints it.
@@ -119,62 +118,6 @@ def compile_variants(src: str, out: Path) -> None:
                 _dump(compiled, out, f"{tag}-{dtype}-d{d}")
 
 
-def _ptxas_usage(ptx: str, name: str) -> str:
-    """Registers and spills of a kernel's PTX as ptxas -v reports them for sm_90a (the cubin alone does not say)."""
-    import triton
-
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    with tempfile.TemporaryDirectory() as tmp:
-        src = Path(tmp) / "k.ptx"
-        src.write_text(ptx)
-        run = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
-                             capture_output=True, text=True)
-    text = run.stdout + run.stderr
-    regs = re.search(r"Used (\d+) registers", text)
-    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
-    if regs is None:
-        return f"ptxas failed: {text.strip().splitlines()[-1] if text.strip() else run.returncode}"
-    return f"regs {regs.group(1):>3}, spill stores {spills.group(1)} B, loads {spills.group(2)} B"
-
-
-def _dq_add_layouts(ttgir: str) -> str:
-    """The fused dQ orders its adds per thread (ops/backward.py, ``_add_dq_in_order``), which is deterministic only
-    if every call site of the add hands each element to the same thread: the same layout at every site."""
-    layouts = re.findall(r"tt\.atomic_rmw fadd.*?-> tensor<([^>]*)>", ttgir)
-    if not layouts:
-        return ""
-    return f", dQ adds: {len(layouts)} sites, {'one layout' if len(set(layouts)) == 1 else 'LAYOUTS DIFFER'}"
-
-
-def compile_fused(src: str, out: Path) -> None:
-    """Every fused-dQ d = 256 candidate (``_configs.BWD_FUSED_D256_CANDIDATES``) and the table's two-kernel entry,
-    bf16, causal and not, MHA and GQA 4 (the dK/dV kernel with TMA rows needs whole groups in a row tile)."""
-    compiled = _compile_only(src)
-    import torch
-    from onlineattn.ops import _configs as C
-    from onlineattn.ops import backward as B
-
-    configs = [("table", C.bwd_config(256, 256, torch.bfloat16, "cuda"))]
-    configs += [(f"fused-{c.dkdv.block_m}x{c.dkdv.block_n}-w{c.dkdv.num_warps}-s{c.dkdv.num_stages}"
-                 f"-tma{int(c.dkdv.tma)}", c) for c in C.BWD_FUSED_D256_CANDIDATES]
-    for tag, cfg in configs:
-        for causal in (False, True):
-            q, k, v, do = _inputs(256, "bfloat16", hq=8, hkv=2)
-            try:
-                B.backward(do, q, k, v, q, torch.randn(2, 8, 1024), 256**-0.5, causal, config=cfg)
-            except Exception as err:  # out of shared memory, or ptxas gave up: say so and go on
-                print(f"{tag:30} causal{int(causal)} {type(err).__name__}: {str(err).splitlines()[0][:120]}")
-                compiled.clear()
-                continue
-            for name, kernel in compiled:
-                if name == "attention_bwd_preprocess_kernel":
-                    continue
-                print(f"{tag:30} causal{int(causal)} {name:28} shared {kernel.metadata.shared:6d} B, "
-                      f"{_ptxas_usage(kernel.asm['ptx'], name)}{_dq_add_layouts(kernel.asm['ttgir'])}", flush=True)
-                (out / f"{tag}-causal{int(causal)}-{name}.ptx").write_text(kernel.asm["ptx"])
-            compiled.clear()
-
-
 def _ptx_body(text: str) -> list[str]:
     text = re.split(r"\.section\s+\.debug", text)[0]
     lines = []
@@ -209,13 +152,11 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", help="commit whose plain kernels HEAD's working tree is compared with")
     p.add_argument("--variants", action="store_true", help="compile every score variant instead")
-    p.add_argument("--fused-d256", action="store_true", help="compile the fused-dQ d = 256 candidate tiles")
-    p.add_argument("--keep", help="with --fused-d256: a folder to keep their PTX in")
     p.add_argument("--worker", nargs=3, metavar=("KIND", "SRC", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         kind, src, out = args.worker
-        {"plain": compile_plain, "variants": compile_variants, "fused": compile_fused}[kind](src, Path(out))
+        (compile_plain if kind == "plain" else compile_variants)(src, Path(out))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -225,11 +166,6 @@ def main() -> int:
         if args.variants:
             (tmp / "variants").mkdir()
             worker("variants", ROOT / "src", tmp / "variants")
-            return 0
-        if args.fused_d256:
-            keep = Path(args.keep) if args.keep else tmp / "fused"
-            keep.mkdir(parents=True, exist_ok=True)
-            worker("fused", ROOT / "src", keep)
             return 0
         if not args.base:
             p.error("give --base COMMIT or --variants")

@@ -7,10 +7,6 @@ Triton's on-disk cache; the timing then runs alone in this process, one variant 
 
 Usage (on the GPU machine): PYTHONPATH=src python3 benchmarks/sweep_bwd.py --jobs 12 --json $OUT/sweep_bwd.json
 The winners go into src/onlineattn/ops/_configs.py with the measured reason.
-
-``--fused`` sweeps whole configs instead, at d = 256 only: the table's two-kernel entry ("table") against every
-fused-dQ candidate of ``_configs.BWD_FUSED_D256_CANDIDATES`` ("fused"), each timed as the whole backward:
-    PYTHONPATH=src python3 benchmarks/sweep_bwd.py --fused --jobs 9 --json $OUT/sweep_bwd_fused.json
 """
 
 import argparse
@@ -23,7 +19,7 @@ import torch
 import triton.testing
 
 from onlineattn.bench.prefill import Case
-from onlineattn.ops._configs import BWD_FUSED_D256_CANDIDATES, BwdConfig, BwdTile, bwd_config
+from onlineattn.ops._configs import BwdTile, bwd_config
 from onlineattn.ops.backward import backward
 from onlineattn.ops.forward import forward
 
@@ -56,16 +52,11 @@ CANDIDATES = {
 }
 
 
-def variants(head_dims, causals, fused=False):
-    """Every (d, causal, kernel, tile) to try, in a fixed order (workers shard it by index). With ``fused`` the
-    "kernels" are "table" and "fused" and each "tile" is a whole BwdConfig."""
+def variants(head_dims, causals):
+    """Every (d, causal, kernel, tile) to try, in a fixed order (workers shard it by index)."""
     out = []
     for d in head_dims:
         for causal in causals:
-            if fused:
-                out += [(d, causal, "table", bwd_config(d, d, torch.bfloat16, "cuda"))]
-                out += [(d, causal, "fused", cfg) for cfg in BWD_FUSED_D256_CANDIDATES]
-                continue
             for kernel, tiles in CANDIDATES["d256" if d > 128 else "small_d"].items():
                 out += [(d, causal, kernel, tile) for tile in tiles]
     return out
@@ -79,8 +70,6 @@ def _inputs(case: Case):
 
 
 def _config(d, kernel, tile):
-    if isinstance(tile, BwdConfig):  # --fused: a whole config
-        return tile
     base = bwd_config(d, d, torch.bfloat16, "cuda")
     return dataclasses.replace(base, **{kernel: tile})
 
@@ -95,42 +84,23 @@ def compile_shard(todo, n):
     torch.cuda.synchronize()
 
 
-def _short(t) -> str:
-    if isinstance(t, BwdConfig):  # --fused: the dK/dV tile says it all (the fused path has no dQ kernel)
-        return ("fused " if t.fused_dq else f"dq {_short(t.dq)} + dkdv ") + _short(t.dkdv)
-    return f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages} tma{int(t.tma)}"
-
-
-def _check_fused(inputs, d, causal, reference, cfg) -> str:
-    """A fused config's gradients against the table's (``reference``), and a second run compared bit for bit: a
-    wrong wait order or a race shows here before its speed is believed."""
-    first = backward(*inputs, d**-0.5, causal, config=cfg)
-    again = backward(*inputs, d**-0.5, causal, config=cfg)
-    same = all(torch.equal(a, b) for a, b in zip(first, again))
-    err = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(first, reference))
-    return f"max rel diff vs table {err:.1e}, rerun {'bitwise equal' if same else 'DIFFERS'}"
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--d", type=int, nargs="*", default=[64, 128, 256])
     ap.add_argument("--n", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
-    ap.add_argument("--fused", action="store_true", help="d = 256: the table's config against the fused-dQ ones")
     ap.add_argument("--jobs", type=int, default=1, help="processes that compile the variants first")
     ap.add_argument("--shard", type=int, nargs=2, default=None, help=argparse.SUPPRESS)  # i, of: a compile worker
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.fused:
-        args.d = [256]
-    todo = variants(args.d, list(map(bool, args.causal)), args.fused)
+    todo = variants(args.d, list(map(bool, args.causal)))
     if args.shard is not None:
         i, of = args.shard
         compile_shard(todo[i::of], args.n[0])
         return
     if args.jobs > 1:
         base = [sys.executable, __file__, "--d", *map(str, args.d), "--n", str(args.n[0]), "--causal",
-                *map(str, args.causal), *(["--fused"] if args.fused else [])]
+                *map(str, args.causal)]
         workers = [subprocess.Popen(base + ["--shard", str(i), str(args.jobs)]) for i in range(args.jobs)]
         for w in workers:
             w.wait()
@@ -141,9 +111,6 @@ def main():
                 case = Case(16384 // n, 2048 // d, n, d, causal)
                 inputs = _inputs(case)
                 best = {}
-                table_grads = None
-                if args.fused:
-                    table_grads = backward(*inputs, d**-0.5, causal, config=bwd_config(d, d, torch.bfloat16, "cuda"))
                 for _, _, kernel, tile in [t for t in todo if t[0] == d and t[1] == causal]:
                     cfg = _config(d, kernel, tile)
                     try:
@@ -155,24 +122,24 @@ def main():
                         print(f"  d={d} {kernel} {tile}: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
                         continue
                     tf = case.flops("bwd") / ms / 1e9
-                    if kernel == "fused":
-                        print(f"  d={d} causal={int(causal)} N={n} {_short(tile)}: {tf:.0f} TFLOP/s, "
-                              f"{_check_fused(inputs, d, causal, table_grads, tile)}", flush=True)
-                    results.append({"d": d, "causal": causal, "n": n, "kernel": kernel, "tile": dataclasses.asdict(tile),
+                    results.append({"d": d, "causal": causal, "n": n, "kernel": kernel, "tile": tile.__dict__,
                                     "ms": round(ms, 4), "tflops": round(tf, 1)})
                     best.setdefault(kernel, []).append((tf, tile))
                 for kernel, scores in best.items():
                     scores.sort(key=lambda t: -t[0])
-                    top = ", ".join(f"{tf:.0f} {_short(t)}" for tf, t in scores[:len(scores) if args.fused else 5])
+                    top = ", ".join(
+                        f"{tf:.0f} {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages} tma{int(t.tma)}"
+                        for tf, t in scores[:5]
+                    )
                     print(f"d={d} causal={int(causal)} N={n} {kernel}: {top}", flush=True)
                 winners = {kernel: scores[0][1] for kernel, scores in best.items()}
-                if not args.fused and len(winners) == 2:
+                if len(winners) == 2:
                     cfg = dataclasses.replace(bwd_config(d, d, torch.bfloat16, "cuda"), **winners)
                     ms = triton.testing.do_bench(lambda: backward(*inputs, d**-0.5, causal, config=cfg), warmup=10,
                                                  rep=40, return_mode="median")
                     print(f"d={d} causal={int(causal)} N={n} both winners: {case.flops('bwd') / ms / 1e9:.0f}",
                           flush=True)
-                del inputs, table_grads
+                del inputs
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f)

@@ -90,13 +90,7 @@ class BwdTile:
 @dataclass(frozen=True)
 class BwdConfig:
     dkdv: BwdTile  # a program owns block_n keys and loops over tiles of block_m rows
-    dq: BwdTile  # a program owns block_m rows and loops over tiles of block_n keys (unused with fused_dq)
-    # fused_dq: the dK/dV kernel also adds each row tile's dS·K into a float32 dQ, in key-block order (a counter per
-    # row tile orders the adds, so the sum is bitwise reproducible): 5 matmuls instead of 7, no dQ kernel. It handles
-    # every case the two-kernel scheme does (lengths, causal, GQA, varlen and every score variant), so nothing falls
-    # back. Its cost: a float32 [B, Sq, Hq, D] scratch (zeroed, then scaled and cast into dq) and programs of one
-    # (batch, kv head) that wait on each other's adds to the same row tile.
-    fused_dq: bool = False
+    dq: BwdTile  # a program owns block_m rows and loops over tiles of block_n keys
 
 
 _BWD_INTERPRETER = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1))
@@ -123,26 +117,6 @@ _BWD_CUDA = {
 # fp32 (ieee dots): half the elements per byte of shared memory, so smaller tiles; exactness, not speed, is the aim.
 _BWD_FP32_SMALL = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1))
 _BWD_FP32_D256 = BwdConfig(BwdTile(16, 16, 4, 1), BwdTile(16, 16, 4, 1))
-
-# The fused-dQ tiles for d = 256 (bf16/fp16), UNMEASURED: none is in the table until benchmarks/sweep_bwd.py --fused has
-# timed them against _BWD_CUDA[256] on the H200; the winner, if it wins, replaces that entry with the measured reason.
-# benchmarks/compile_sm90.py --fused-d256 (sm_90a, ptxas of triton 3.6; B = 2, Hq = 8, Hkv = 2) gave, non-causal /
-# causal: shared memory, registers, spill stores. Every candidate gives each dQ element to one thread at every add
-# site (one layout), which the per-thread ordering of the adds needs.
-# - 4 warps spill from 32 rows up (64x32: 1.6-1.9 KB; 32x32: 88-660 B): the dK, dV and dQ accumulators do not fit
-#   128 threads' registers at d = 256. 8 warps carry them.
-# - 64x64 and 128x32 spill 0.5-2.4 KB even with 8 warps; 64x64 s2 and 128x32 s2 exceed 227 KB of shared memory;
-#   16x64, 32x64 and 64x64 with 2 stages and TMA made ptxas crash (exit -11) non-causal.
-BWD_FUSED_D256_CANDIDATES = [
-    BwdConfig(BwdTile(64, 32, 8, 2, True), _BWD_CUDA[256].dq, fused_dq=True),  # 181 KB, 255 regs, 0 / 68 B
-    BwdConfig(BwdTile(64, 32, 8, 1, True), _BWD_CUDA[256].dq, fused_dq=True),  # 115 KB, 255 / 240 regs, no spill
-    BwdConfig(BwdTile(64, 32, 8, 2), _BWD_CUDA[256].dq, fused_dq=True),  # pointer loads: 181 KB, 255 regs, no spill
-    BwdConfig(BwdTile(32, 32, 8, 2, True), _BWD_CUDA[256].dq, fused_dq=True),  # 82 KB, 214 / 234 regs, no spill
-    BwdConfig(BwdTile(32, 32, 8, 1, True), _BWD_CUDA[256].dq, fused_dq=True),  # 49 KB, 198 / 213 regs, no spill
-    BwdConfig(BwdTile(16, 32, 8, 2, True), _BWD_CUDA[256].dq, fused_dq=True),  # 66 KB, 197 / 216 regs, no spill
-    BwdConfig(BwdTile(32, 64, 8, 1, True), _BWD_CUDA[256].dq, fused_dq=True),  # 131 KB, 255 regs, 328 B / 1 KB
-    BwdConfig(BwdTile(16, 64, 8, 1, True), _BWD_CUDA[256].dq, fused_dq=True),  # 115 KB, 255 regs, 236 / 856 B
-]
 
 
 def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str) -> BwdConfig:

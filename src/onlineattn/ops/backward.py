@@ -33,8 +33,6 @@ from ._common import (
 from ._configs import bwd_config
 from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, variant_args
 
-# Whether the kernels below run in Triton's interpreter, which @triton.jit decided when it wrapped them (at import).
-_INTERPRETED = bool(triton.knobs.runtime.interpret)
 PREPROCESS_ROWS = 64  # rows per program of the delta pass: it streams O and dO once, any tile saturates bandwidth
 
 
@@ -88,9 +86,6 @@ def attention_bwd_dkdv_kernel(
     CU_Q, CU_K, SLOPES, BIAS, SINKS, RNG,
     stride_sb, stride_bb, stride_bh, stride_bi, stride_bj,
     window_left, window_right, softcap_in, softcap_out, dropout_p, batch0,
-    # Fused dQ (FUSED_DQ): the float32 accumulator, shaped as q, and one int32 counter per (batch · kv head, row
-    # tile); None and 0 otherwise.
-    DQA, LOCKS, stride_dqab, stride_dqas, stride_dqah, row_tiles,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -98,8 +93,7 @@ def attention_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     VARLEN: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     ALIBI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, SINK: tl.constexpr = False,
-    DROPOUT: tl.constexpr = False, FUSED_DQ: tl.constexpr = False, LOCK_SLOTS: tl.constexpr = 1,
-    INTERPRET: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -118,8 +112,6 @@ def attention_bwd_dkdv_kernel(
         V += k_start.to(tl.int64) * stride_vs
         DK += k_start.to(tl.int64) * stride_dks
         DV += k_start.to(tl.int64) * stride_dvs
-        if FUSED_DQ:
-            DQA += q_start.to(tl.int64) * stride_dqas
     vargs = (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_kv * GROUP,
              window_left, window_right, softcap_in, softcap_out, dropout_p, batch0)
     start_n = pid_n * BLOCK_N
@@ -152,35 +144,19 @@ def attention_bwd_dkdv_kernel(
     elif CAUSAL:
         lo = (tl.maximum(start_n - diag, 0) * GROUP) // BLOCK_M * BLOCK_M
         full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - diag, 0) * GROUP, BLOCK_M) * BLOCK_M
-    # Fused dQ: row tile m takes its adds from a run of consecutive key blocks (the row ranges' ends rise with the
-    # key block), in key-block order. This block waits for its predecessor exactly where that one visits the tile:
-    # its row range [prev_lo, prev_hi), from the formulas that bound its loops.
-    dqargs = (DQA, LOCKS, stride_dqab, stride_dqas, stride_dqah, pid_n, 0, 0)
-    if FUSED_DQ:
-        prev_lo = 0
-        prev_hi = rows
-        if WINDOW:
-            prev_lo, _, _, prev_hi = band_row_range(start_n - BLOCK_N, seqlen_q, seqlen_k, window_left, window_right,
-                                                    BLOCK_M, BLOCK_N, GROUP)
-        elif CAUSAL:
-            prev_lo = (tl.maximum(start_n - BLOCK_N - diag, 0) * GROUP) // BLOCK_M * BLOCK_M
-        if pid_n == 0:
-            prev_hi = 0
-        p_locks = LOCKS + pid_bh * row_tiles * LOCK_SLOTS  # this (batch, kv head)'s counters
-        dqargs = (DQA, p_locks, stride_dqab, stride_dqas, stride_dqah, pid_n, prev_lo, prev_hi)
     for start_m in range(lo, tl.minimum(full_lo, rows), BLOCK_M):
         b_dk, b_dv = _dkdv_tile(
             Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
             stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
             seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, True,
-            CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT, dqargs, FUSED_DQ, LOCK_SLOTS, INTERPRET,
+            CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
         )
     for start_m in range(full_lo, full_hi, BLOCK_M):
         b_dk, b_dv = _dkdv_tile(
             Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
             stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
             seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, False,
-            CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT, dqargs, FUSED_DQ, LOCK_SLOTS, INTERPRET,
+            CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
         )
     if WINDOW:
         for start_m in range(full_hi, hi, BLOCK_M):
@@ -188,7 +164,7 @@ def attention_bwd_dkdv_kernel(
                 Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
                 seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, True,
-                CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT, dqargs, FUSED_DQ, LOCK_SLOTS, INTERPRET,
+                CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
             )
 
     p_dk = DK + off_b * stride_dkb + off_hkv * stride_dkh + o_n[:, None] * stride_dks + o_d[None, :]
@@ -205,11 +181,9 @@ def _dkdv_tile(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
-    dqargs, FUSED_DQ: tl.constexpr, LOCK_SLOTS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One tile of packed query rows ``[start_m, start_m + BLOCK_M)`` against the program's keys: adds ``Pᵀ dO`` to dV
-    and ``dSᵀ Q`` to dK, and with ``FUSED_DQ`` ``dS K`` to the rows' dQ (``_add_dq_in_order``). The tile is transposed
-    (keys × rows), so the variants see ``i`` along the columns."""
+    and ``dSᵀ Q`` to dK. The tile is transposed (keys × rows), so the variants see ``i`` along the columns."""
     o_i, o_h, m_r = packed_rows(start_m, off_hkv, seqlen_q, BLOCK_M, GROUP)
     if USE_TMA:  # [B, Sq, Hq, D] descriptors with boxes [1, BLOCK_M / GROUP, GROUP, D]: the packed rows in order
         b_q = Q.load([pid_b, start_m // GROUP, off_hkv * GROUP, 0]).reshape(BLOCK_M, BLOCK_D)
@@ -241,82 +215,7 @@ def _dkdv_tile(
     if SOFTCAP:
         b_dst = b_dst * (1.0 - th * th)
     b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=INPUT_PRECISION)
-    if FUSED_DQ:
-        b_dq = tl.dot(tl.trans(b_dst.to(b_k.dtype)), b_k, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_D]
-        _add_dq_in_order(b_dq, start_m, o_i, o_h, o_d, m_r, m_d, off_b, dqargs, BLOCK_M, LOCK_SLOTS, INTERPRET)
     return b_dk, b_dv
-
-
-@triton.jit
-def _wait_for(p_locks, expected):
-    """Spin until this thread's counter ``p_locks[tid]`` holds ``expected`` (an acquire load). One PTX loop, not a
-    Triton ``while``: the software pipeliner leaves a loop that holds another loop alone."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred %p_w;
-        .reg .b32 %v_w, %t_w;
-        .reg .b64 %a_w;
-        mov.u32 %t_w, %tid.x;
-        mul.wide.u32 %a_w, %t_w, 4;
-        add.s64 %a_w, %a_w, $1;
-        $$L_wait_${:uid}:
-        ld.global.acquire.gpu.b32 %v_w, [%a_w];
-        setp.ne.b32 %p_w, %v_w, $2;
-        @%p_w bra $$L_wait_${:uid};
-        mov.b32 $0, %v_w;
-        }""",
-        "=r,l,r", [p_locks, expected], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
-@triton.jit
-def _release(p_locks, value):
-    """``p_locks[tid] = value`` with release semantics: this thread's earlier adds are seen by whoever acquires it."""
-    tl.inline_asm_elementwise(
-        """{
-        .reg .b32 %t_r;
-        .reg .b64 %a_r;
-        mov.u32 %t_r, %tid.x;
-        mul.wide.u32 %a_r, %t_r, 4;
-        add.s64 %a_r, %a_r, $1;
-        st.release.gpu.global.b32 [%a_r], $2;
-        mov.b32 $0, 0;
-        }""",
-        "=r,l,r", [p_locks, value], dtype=tl.int32, is_pure=False, pack=1,
-    )
-
-
-@triton.jit
-def _add_dq_in_order(b_dq, start_m, o_i, o_h, o_d, m_r, m_d, off_b, dqargs, BLOCK_M: tl.constexpr,
-                     LOCK_SLOTS: tl.constexpr, INTERPRET: tl.constexpr):
-    """Add one key block's ``dS K`` into the float32 dQ of row tile ``start_m``, after every earlier key block that
-    adds to that tile, so the sum is the same bit for bit whatever the schedule (FA3's semaphore-ordered dQ).
-
-    The tile has a counter per thread (``LOCK_SLOTS`` of them): a compiled kernel gives every element of the tile to
-    the same thread in every program, so ordering each thread's adds after the same thread's in the previous key
-    block orders every element's sum, and no barrier across the program is needed (a barrier in the row loop would
-    stop Triton's pipeliner from prefetching Q and dO). A counter holds ``n + 1`` once key block n's thread has
-    added. Block ``pid_n`` waits for ``pid_n`` where its predecessor visits the tile (``prev_lo <= start_m <
-    prev_hi``); otherwise it is the tile's first and the counter is still 0. Waits only ever go to a lower launch
-    index (key blocks are ``program_id(0)``), which the GPU has already dispatched, so they end.
-
-    The interpreter runs programs one at a time in launch order, as one thread: it never spins, and a counter that is
-    not what the order says poisons the add with NaN, so a wrong order fails the tests."""
-    DQA, LOCKS, stride_dqab, stride_dqas, stride_dqah, pid_n, prev_lo, prev_hi = dqargs
-    p_locks = LOCKS + (start_m // BLOCK_M) * LOCK_SLOTS
-    wait = (prev_lo <= start_m) & (start_m < prev_hi)
-    expected = tl.where(wait, pid_n, 0)  # a tile's first block finds 0 at once: no branch around the wait
-    if INTERPRET:
-        seen = tl.atomic_cas(p_locks, expected, expected, sem="acquire", scope="gpu")
-        b_dq = tl.where(seen == expected, b_dq, float("nan"))
-    else:
-        _wait_for(p_locks, expected)
-    p_dqa = DQA + off_b * stride_dqab + o_i[:, None] * stride_dqas + o_h[:, None] * stride_dqah + o_d[None, :]
-    tl.atomic_add(p_dqa, b_dq, mask=m_r[:, None] & m_d[None, :], sem="relaxed", scope="gpu")
-    if INTERPRET:
-        tl.atomic_xchg(p_locks, pid_n + 1, sem="release", scope="gpu")
-    else:
-        _release(p_locks, pid_n + 1)
 
 
 @triton.jit
@@ -547,9 +446,6 @@ def _preprocess(o, do, lse, dlse, delta) -> None:
     )
 
 
-_NOT_FUSED = dict(DQA=None, LOCKS=None, stride_dqab=0, stride_dqas=0, stride_dqah=0, row_tiles=0)
-
-
 def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys, mods: Mods = PLAIN) -> None:
     """The dK/dV and dQ kernels over q ``[B, Sq, Hq, D]`` (with varlen ``mods``: packed ``[1, total, H, D]`` views,
     one program column per sequence and kv head)."""
@@ -581,24 +477,11 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     if tma_rows:
         q_arg = _descriptor(q, t.block_m // group, group, block_d)
         do_arg = _descriptor(do, t.block_m // group, group, block_dv)
-    fused = _NOT_FUSED
-    if cfg.fused_dq:  # dQ summed in float32 by the dK/dV kernel, then scaled and cast once
-        row_tiles = triton.cdiv(sq * group, t.block_m)
-        dqa = torch.zeros(dq.shape, dtype=torch.float32, device=q.device)
-        strides_dqa = (0 if mods.varlen else dqa.stride(0), dqa.stride(1), dqa.stride(2))
-        slots = 1 if _INTERPRETED else 32 * t.num_warps  # a counter per thread (the interpreter is one)
-        locks = torch.zeros(b * hkv * row_tiles * slots, dtype=torch.int32, device=q.device)
-        fused = dict(DQA=dqa, LOCKS=locks, stride_dqab=strides_dqa[0], stride_dqas=strides_dqa[1],
-                     stride_dqah=strides_dqa[2], row_tiles=row_tiles, FUSED_DQ=True, LOCK_SLOTS=slots,
-                     INTERPRET=_INTERPRETED)
     attention_bwd_dkdv_kernel[(triton.cdiv(sk, t.block_n), b * hkv)](
         q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
-        **fused, **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, num_warps=t.num_warps,
+        **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
-    if cfg.fused_dq:
-        torch.mul(dqa, scale, out=dq)  # rounds once, as the dQ kernel's store of (dq · scale)
-        return
     t = cfg.dq
     k_arg, v_arg = k, v
     if tma_keys:
