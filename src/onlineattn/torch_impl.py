@@ -333,13 +333,14 @@ def _blockwise_fwd(q, k, v, scale, causal, *mod_args):
     return o.contiguous(), lse
 
 
-def _blockwise_bwd(do, q, k, v, o, lse, dlse, scale, causal, *mod_args):
-    mods, bias_grad = Mods.from_bwd_args(mod_args)
+def _blockwise_grads(do, q, k, v, o, lse, dlse, scale, causal, mods: Mods, bias_grad: bool):
     if mods.varlen:
-        grads = gradients_varlen(do, q, k, v, o, lse, scale, causal, dlse, mods)
-    else:
-        grads = gradients(do, q, k, v, o, lse, scale, causal, dlse, mods, bias_grad=bias_grad)
-    return op_outputs(grads, q)
+        return gradients_varlen(do, q, k, v, o, lse, scale, causal, dlse, mods)
+    return gradients(do, q, k, v, o, lse, scale, causal, dlse, mods, bias_grad=bias_grad)
+
+
+def _blockwise_bwd(do, q, k, v, o, lse, dlse, scale, causal, *mod_args):
+    return op_outputs(_blockwise_grads(do, q, k, v, o, lse, dlse, scale, causal, *Mods.from_bwd_args(mod_args)), q)
 
 
 blockwise_fwd = torch.library.custom_op("onlineattn::blockwise_fwd", _blockwise_fwd, mutates_args=(), schema=FWD_SCHEMA)
@@ -361,9 +362,19 @@ def save_for_backward(ctx, inputs, output):
                        mods.max_seqlen_k)
 
 
-def autograd_formula(backward_op):
+def _eager(*tensors) -> bool:
+    """True in a plain eager backward: no graph being built over it (double backward must reach the op, which refuses
+    it), no torch.compile or functorch tracing, no tensor subclass (fake, functional). Only then may a backward skip
+    its custom op and call the implementation directly."""
+    return (not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active() and all(type(x) is torch.Tensor for x in tensors))
+
+
+def autograd_formula(backward_op, direct):
     """The forward op's backward: call ``backward_op`` (the same path's backward custom op) with the saved tensors
-    and hand each input its gradient (q, k, v, and attn_bias and sinks where they require it)."""
+    and hand each input its gradient (q, k, v, and attn_bias and sinks where they require it). In a plain eager
+    backward, ``direct(do, q, k, v, o, lse, dlse, scale, causal, mods, bias_grad)`` (the op's implementation,
+    returning None for absent gradients) runs instead: the dispatcher's Python costs as much as a small kernel."""
 
     def formula(ctx, do, dlse):
         q, k, v, o, lse, slopes, bias, sinks, rng, cu_q, cu_k = ctx.saved_tensors
@@ -373,9 +384,12 @@ def autograd_formula(backward_op):
         if do is None:  # only lse was used (grads are not materialised: an unused lse costs no zero-filled tensor)
             do = torch.zeros_like(o)
         args = (do, q, k, v, o, lse, dlse, ctx.scale, ctx.causal)
-        # A plain call passes only the plain arguments: each further argument costs the dispatcher time.
-        dq, dk, dv, dbias, dsinks = backward_op(*args) if mods is PLAIN else backward_op(*args, *mods.op_args(),
-                                                                                         bias_grad)
+        if _eager(do, q):
+            dq, dk, dv, dbias, dsinks = direct(*args, mods, bias_grad)
+        elif mods is PLAIN:  # only the plain arguments: each further one costs the dispatcher time
+            dq, dk, dv, dbias, dsinks = backward_op(*args)
+        else:
+            dq, dk, dv, dbias, dsinks = backward_op(*args, *mods.op_args(), bias_grad)
         grads = [dq, dk, dv] + [None] * (len(ctx.needs_input_grad) - 3)
         if bias_grad:
             grads[_BIAS_INPUT] = dbias
@@ -392,7 +406,7 @@ def refuse_double_backward(ctx, *grads):
     )
 
 
-blockwise_fwd.register_autograd(autograd_formula(blockwise_bwd), setup_context=save_for_backward)
+blockwise_fwd.register_autograd(autograd_formula(blockwise_bwd, _blockwise_grads), setup_context=save_for_backward)
 blockwise_bwd.register_autograd(refuse_double_backward)
 
 

@@ -333,7 +333,13 @@ def _backward_op(*args):
     return attention_bwd(*args)
 
 
-attention_fwd.register_autograd(autograd_formula(_backward_op), setup_context=save_for_backward)
+def _backward_direct(do, q, k, v, o, lse, dlse, scale, causal, mods, bias_grad):
+    from .backward import gradients
+
+    return gradients(do, q, k, v, o, lse, scale, causal, dlse, mods=mods, bias_grad=bias_grad)
+
+
+attention_fwd.register_autograd(autograd_formula(_backward_op, _backward_direct), setup_context=save_for_backward)
 
 
 def attention(q, k, v, scale: float, causal: bool, mods: Mods = PLAIN):
