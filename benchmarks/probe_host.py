@@ -6,6 +6,8 @@ Usage (GPU machine): PYTHONPATH=src python3 benchmarks/probe_host.py B N H D CAU
 """
 import sys, time, torch, onlineattn
 from torch.profiler import profile, ProfilerActivity
+
+from probe_gap import host_us  # the same host-time-per-call measurement (this script's directory is on sys.path)
 b, n, h, d, causal = (int(x) for x in sys.argv[1:6])
 q, k, v = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 o = onlineattn.attention(q, k, v, causal=bool(causal))
@@ -16,10 +18,10 @@ def fwd():
 bwd = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
 for name, fn in (("fwd", fwd), ("bwd", bwd)):
     for _ in range(20): fn()
+    host = host_us(fn, calls=50)
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(50): fn()
-    host = (time.perf_counter() - t) / 50 * 1e6
     torch.cuda.synchronize(); wall = (time.perf_counter() - t) / 50 * 1e6
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(10): fn()

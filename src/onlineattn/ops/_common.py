@@ -68,6 +68,18 @@ def packed_rows(start_r, off_hkv, seqlen_q, BLOCK_M: tl.constexpr, GROUP: tl.con
 
 
 @triton.jit
+def row_tile(start_r, off_hkv, seqlen_q, BLOCK_M: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """The indices a kernel owning packed rows ``[start_r, start_r + BLOCK_M)`` works with: the rows' (query, head,
+    in range) from ``packed_rows``, the head-dim offsets of q/k and v with their masks (dims padded to powers of
+    two), and the key offsets of one block: ``(o_i, o_h, m_r, o_d, o_dv, o_n, m_d, m_dv)``."""
+    o_i, o_h, m_r = packed_rows(start_r, off_hkv, seqlen_q, BLOCK_M, GROUP)
+    o_d = tl.arange(0, BLOCK_D)
+    o_dv = tl.arange(0, BLOCK_DV)
+    return o_i, o_h, m_r, o_d, o_dv, tl.arange(0, BLOCK_N), o_d < HEAD_DIM, o_dv < HEAD_DIM_V
+
+
+@triton.jit
 def key_range(start_r, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
               CAUSAL: tl.constexpr):
     """Keys a tile of packed rows visits: ``[0, full_hi)`` in whole blocks every row sees (no mask work), then

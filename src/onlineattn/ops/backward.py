@@ -28,7 +28,7 @@ from .._mods import PLAIN, Mods
 from ..torch_impl import BWD_SCHEMA, fake_backward, op_outputs, refuse_double_backward
 from . import bias_grad as bias_grad_kernel
 from ._common import (
-    LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, sequence_bounds,
+    LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, row_tile, sequence_bounds,
 )
 from ._configs import bwd_config
 from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, variant_args
@@ -256,12 +256,8 @@ def attention_bwd_dq_kernel(
         DELTA += q_start
         K += k_start.to(tl.int64) * stride_ks
         V += k_start.to(tl.int64) * stride_vs
-    o_i, o_h, m_r = packed_rows(pid_m * BLOCK_M, off_hkv, seqlen_q, BLOCK_M, GROUP)
-    o_d = tl.arange(0, BLOCK_D)
-    o_dv = tl.arange(0, BLOCK_DV)
-    o_n = tl.arange(0, BLOCK_N)
-    m_d = o_d < HEAD_DIM
-    m_dv = o_dv < HEAD_DIM_V
+    o_i, o_h, m_r, o_d, o_dv, o_n, m_d, m_dv = row_tile(pid_m * BLOCK_M, off_hkv, seqlen_q, BLOCK_M, GROUP, BLOCK_N,
+                                                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
 
     p_q = Q + off_b * stride_qb + o_i[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
     p_do = DO + off_b * stride_dob + o_i[:, None] * stride_dos + o_h[:, None] * stride_doh + o_dv[None, :]

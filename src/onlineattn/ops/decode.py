@@ -34,7 +34,7 @@ import triton.language as tl
 
 from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
-                      packed_rows, page_and_slot)
+                      page_and_slot, row_tile)
 from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_num_splits
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
 
@@ -100,12 +100,8 @@ def decode_kernel(
     off_bt = off_b * stride_btb
     seqlen_k = tl.load(CACHE_SEQLENS + off_b) + seqlen_new
 
-    o_i, o_h, m_r = packed_rows(pid_m * BLOCK_M, off_hkv, seqlen_q, BLOCK_M, GROUP)
-    o_d = tl.arange(0, BLOCK_D)
-    o_dv = tl.arange(0, BLOCK_DV)
-    o_n = tl.arange(0, BLOCK_N)
-    m_d = o_d < HEAD_DIM
-    m_dv = o_dv < HEAD_DIM_V
+    o_i, o_h, m_r, o_d, o_dv, o_n, m_d, m_dv = row_tile(pid_m * BLOCK_M, off_hkv, seqlen_q, BLOCK_M, GROUP, BLOCK_N,
+                                                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
 
     p_q = Q + off_b * stride_qb + o_i[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)

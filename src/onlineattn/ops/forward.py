@@ -19,7 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._mods import PLAIN, Mods, bias_4d
 from ..torch_impl import FWD_SCHEMA, autograd_formula, fake_forward, save_for_backward
 from ._common import (
-    LOG2E, band_key_range, finalize_state, keep_scale, key_range, online_softmax_step, packed_rows, score_mod,
+    LOG2E, band_key_range, finalize_state, keep_scale, key_range, online_softmax_step, row_tile, score_mod,
     sequence_bounds, tile_order, visible,
 )
 from ._configs import fwd_config
@@ -64,12 +64,8 @@ def attention_fwd_kernel(
         K += k_start.to(tl.int64) * stride_ks
         V += k_start.to(tl.int64) * stride_vs
 
-    o_i, o_h, m_r = packed_rows(pid_m * BLOCK_M, off_hkv, seqlen_q, BLOCK_M, GROUP)
-    o_d = tl.arange(0, BLOCK_D)
-    o_dv = tl.arange(0, BLOCK_DV)
-    o_n = tl.arange(0, BLOCK_N)
-    m_d = o_d < HEAD_DIM
-    m_dv = o_dv < HEAD_DIM_V
+    o_i, o_h, m_r, o_d, o_dv, o_n, m_d, m_dv = row_tile(pid_m * BLOCK_M, off_hkv, seqlen_q, BLOCK_M, GROUP, BLOCK_N,
+                                                        HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
 
     p_q = Q + off_b * stride_qb + o_i[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
