@@ -31,6 +31,7 @@ from ._common import (
     LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, sequence_bounds,
 )
 from ._configs import bwd_config
+from ._launch import launch
 from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, variant_args
 
 PREPROCESS_ROWS = 64  # rows per program of the delta pass: it streams O and dO once, any tile saturates bandwidth
@@ -435,7 +436,8 @@ def _descriptor(x, box_rows: int, box_heads: int, box_d: int):
 def _preprocess(o, do, lse, dlse, delta) -> None:
     """``delta = rowsum(dO ∘ O) − dlse`` for o, do ``[B, Sq, Hq, Dv]`` into delta ``[B, Hq, Sq]`` (lse's layout)."""
     b, sq, hq, dv_dim = o.shape
-    attention_bwd_preprocess_kernel[(triton.cdiv(sq, PREPROCESS_ROWS), b * hq)](
+    launch(
+        attention_bwd_preprocess_kernel, (triton.cdiv(sq, PREPROCESS_ROWS), b * hq),
         o, do, lse if dlse is None else dlse, delta,
         o.stride(0), o.stride(1), o.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
@@ -477,7 +479,8 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     if tma_rows:
         q_arg = _descriptor(q, t.block_m // group, group, block_d)
         do_arg = _descriptor(do, t.block_m // group, group, block_dv)
-    attention_bwd_dkdv_kernel[(triton.cdiv(sk, t.block_n), b * hkv)](
+    launch(
+        attention_bwd_dkdv_kernel, (triton.cdiv(sk, t.block_n), b * hkv),
         q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
         **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, num_warps=t.num_warps,
         num_stages=t.num_stages,
@@ -486,7 +489,8 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     k_arg, v_arg = k, v
     if tma_keys:
         k_arg, v_arg = _descriptor(k, t.block_n, 1, block_d), _descriptor(v, t.block_n, 1, block_dv)
-    attention_bwd_dq_kernel[(triton.cdiv(sq * group, t.block_m), b * hkv)](
+    launch(
+        attention_bwd_dq_kernel, (triton.cdiv(sq * group, t.block_m), b * hkv),
         q, k_arg, v_arg, do, lse, delta, dq, *strides_in, *strides_dq, *strides_lse, *scalars, **variants,
         **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_keys, num_warps=t.num_warps,
         num_stages=t.num_stages,

@@ -23,6 +23,7 @@ from ._common import (
     sequence_bounds, tile_order, visible,
 )
 from ._configs import fwd_config
+from ._launch import launch
 
 
 @triton.jit
@@ -302,8 +303,8 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
                    v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
                    lse.stride(0), lse.stride(1))
     grid = (triton.cdiv(sq * group, cfg.block_m), b * hkv)
-    attention_fwd_kernel[grid](
-        q, k_arg, v_arg, o, lse, *strides,
+    launch(
+        attention_fwd_kernel, grid, q, k_arg, v_arg, o, lse, *strides,
         sq, sk, hkv, scale * LOG2E,
         **variant_args(mods, causal, scale, b, hq, sq, sk),
         GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv,
