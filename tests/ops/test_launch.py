@@ -332,3 +332,8 @@ def test_interpreted_kernels_take_run():
     if not knobs.runtime.interpret:
         pytest.skip("the kernels are compiled here (TRITON_INTERPRET is not set), not interpreted")
     assert _launch.bind(forward.attention_fwd_kernel, (), {}) is None
+
+
+def test_host_arithmetic_matches_triton():
+    assert [_launch.next_power_of_2(n) for n in range(4097)] == [triton.next_power_of_2(n) for n in range(4097)]
+    assert all(_launch.cdiv(a, b) == triton.cdiv(a, b) for a in range(300) for b in range(1, 70))

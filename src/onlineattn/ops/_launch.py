@@ -158,3 +158,14 @@ def launch(kernel, grid, *args, **kwargs):
 
 
 _MISSING = object()
+
+
+# Grid and block arithmetic for the launchers. triton.cdiv and triton.next_power_of_2 are constexpr functions in
+# Triton 3.6: called from Python they go through a wrapper that costs ~2 µs a call, several per attention call.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n, for n >= 0 (0 for 0, as Triton's)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
