@@ -1,11 +1,15 @@
-"""The launch cache (ops/_launch.py) on a machine without a GPU: host time per call and the kernel it launches.
+"""The launch cache (ops/_launch.py): host time per call and the kernel it launches.
 
-The active Triton driver is replaced by one that reports an sm_90 target and whose launcher does nothing, so every
+Without a GPU, the active Triton driver is replaced by one that reports an sm_90 target and whose launcher does nothing, so every
 launch runs all of Triton's Python (binder, specialisation, cache lookup, launch metadata) and our own, and stops at
 the C launch. Kernels compile for sm_90 with Triton's ptxas (cached on disk after the first run).
 
     python benchmarks/probe_launch.py time            # host µs per forward / backward call, cache off vs on
     python benchmarks/probe_launch.py check [i ...]   # every cached launch is the kernel run() would pick
+    python benchmarks/probe_launch.py gpu [i ...]     # on the GPU: outputs bitwise equal with the cache off / on
+
+``check`` runs on the GPU machine too, with the real driver and CUDA tensors. The case indices are those of
+tests/ops/test_launch.py's ``CASES``.
 
 ``check`` wraps ``launch``: after each call it asks Triton's own ``run(..., warmup=True)`` for the kernel of the same
 arguments and requires the very object the cached path launched.
@@ -90,11 +94,37 @@ def time_calls(reps: str = "1000") -> None:
                   flush=True)
 
 
+def gpu(*indices: str) -> None:
+    """On a CUDA machine (real launches): each case with the cache off, then twice with it on (a miss, then a hit);
+    the outputs must be bitwise equal, and every launch the kernel run() picks (as in ``check``)."""
+    from onlineattn.ops import _launch
+
+    sys.path.insert(0, str(ROOT / "tests" / "ops"))
+    from test_launch import CASES, call_case
+
+    bits = lambda x: x.detach().contiguous().view(torch.uint8)  # noqa: E731
+    failures = 0
+    for case in [CASES[int(i)] for i in indices] if indices else CASES:
+        _launch.enabled = False
+        want = call_case(case, "cuda")
+        _launch.enabled = True
+        for attempt in ("miss", "hit"):
+            got = call_case(case, "cuda")
+            same = len(got) == len(want) and all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))
+            failures += not same
+            print(f"{case} {attempt}: {'bitwise equal' if same else 'DIFFERENT'}", flush=True)
+    torch.cuda.synchronize()
+    print(f"{failures} cases differ")
+    if failures:
+        raise SystemExit(1)
+
+
 def check(*indices: str) -> None:
     """Forward, backward and decode over the cases of tests/ops/test_launch.py (those at ``indices``, else all; each
     distinct specialisation compiles once, seconds each), every call twice: a miss, then a hit."""
     from onlineattn.ops import _launch, backward, decode, forward
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine: real launches, real driver
     launched = []
     original = _launch.launch
 
@@ -121,7 +151,7 @@ def check(*indices: str) -> None:
 
     for case in [CASES[int(i)] for i in indices] if indices else CASES:
         for _ in range(2):
-            call_case(case)
+            call_case(case, device)
         print(f"{case}: {len(launched)} launches so far, all the run() kernel: {all(launched)}", flush=True)
     entries = sum(len(s.entries) for s in _launch._kernels.values())
     through_run = misses.count(False)
@@ -134,5 +164,9 @@ def check(*indices: str) -> None:
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)  # read when onlineattn's kernels are decorated, below
     sys.path.insert(0, str(ROOT / "src"))
-    triton.runtime.driver.set_active(Sm90NoLaunch())
-    {"time": time_calls, "check": check}[sys.argv[1] if len(sys.argv) > 1 else "time"](*sys.argv[2:])
+    mode = sys.argv[1] if len(sys.argv) > 1 else "time"
+    if not torch.cuda.is_available():
+        triton.runtime.driver.set_active(Sm90NoLaunch())
+    elif mode == "time":
+        raise SystemExit("time stubs the launches: run it where CUDA is absent (on the GPU: probe_host.py)")
+    {"time": time_calls, "check": check, "gpu": gpu}[mode](*sys.argv[2:])

@@ -71,59 +71,63 @@ CASES = [
 ]
 
 
-def _tensor(case: Case, shape, dtype=None, seed=0):
+def _tensor(case: Case, shape, device, seed):
     """Fresh storage of ``shape`` starting ``case.offset`` elements in; ``[B, S, H, D]`` over ``[B, H, S, D]`` storage
     when ``case.transposed``."""
-    dtype = dtype or case.dtype
     g = torch.Generator().manual_seed(seed)
     stored = (shape[0], shape[2], shape[1], shape[3]) if case.transposed else shape
-    flat = torch.randn(case.offset + torch.Size(stored).numel(), generator=g).to(dtype)
+    flat = torch.randn(case.offset + torch.Size(stored).numel(), generator=g).to(device=device, dtype=case.dtype)
     x = flat[case.offset:].view(stored)
     return x.transpose(1, 2) if case.transposed else x
 
 
-def _mods(case: Case, b: int, dtype) -> Mods:
+def _mods(case: Case, b: int, device) -> Mods:
+    g = torch.Generator().manual_seed(4)
+    to = lambda x: x.to(device)  # noqa: E731
     if case.variant == "window":
         return Mods(window_left=8, window_right=0)
     if case.variant == "softcap":
         return Mods(softcap=30.0)
     if case.variant == "alibi":
-        return Mods(alibi_slopes=torch.rand(case.hq))
+        return Mods(alibi_slopes=to(torch.rand(case.hq, generator=g)))
     if case.variant == "bias":
-        return Mods(attn_bias=torch.randn(b, case.hq, case.sq, case.sk, dtype=dtype))
+        return Mods(attn_bias=to(torch.randn(b, case.hq, case.sq, case.sk, generator=g).to(case.dtype)))
     if case.variant == "sinks":
-        return Mods(sinks=torch.randn(case.hq))
+        return Mods(sinks=to(torch.randn(case.hq, generator=g)))
     if case.variant == "dropout":
-        return Mods(dropout_p=0.1, rng=draw_rng_state())
+        return Mods(dropout_p=0.1, rng=to(draw_rng_state(g)))
     if case.variant == "varlen":
-        cu_q = torch.tensor([0, 5, case.sq * b], dtype=torch.int32)
-        cu_k = torch.tensor([0, 7, case.sk * b], dtype=torch.int32)
+        cu_q = to(torch.tensor([0, 5, case.sq * b], dtype=torch.int32))
+        cu_k = to(torch.tensor([0, 7, case.sk * b], dtype=torch.int32))
         return Mods(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=case.sq * b - 5, max_seqlen_k=case.sk * b - 7)
     return PLAIN
 
 
-def call_case(case: Case) -> None:
-    """Forward, backward and decode launches of one case, on fresh tensors."""
+def call_case(case: Case, device="cpu") -> list:
+    """Forward, backward and decode launches of one case, on fresh tensors drawn from fixed seeds; their outputs."""
     b, dv = case.b, case.dv or case.d
-    q, k, v = (_tensor(case, (b, s, h, d), seed=i)
+    q, k, v = (_tensor(case, (b, s, h, d), device, seed=i)
                for i, (s, h, d) in enumerate(((case.sq, case.hq, case.d), (case.sk, case.hkv, case.d),
                                                (case.sk, case.hkv, dv))))
-    do = _tensor(case, (b, case.sq, case.hq, dv), seed=3)
-    mods, scale = _mods(case, b, case.dtype), case.d ** -0.5
+    do = _tensor(case, (b, case.sq, case.hq, dv), device, seed=3)
+    mods, scale = _mods(case, b, device), case.d ** -0.5
     if mods.varlen:
         q, k, v, do = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v, do))
     fcfg = fwd_config(case.d, dv, case.dtype, case.causal, case.device_type, seqlen_q=case.sq,
                       variants=mods is not PLAIN)
     o, lse = forward.forward(q, k, v, scale, case.causal, config=fcfg, mods=mods)
-    dlse = torch.randn_like(lse) if case.variant == "dlse" else None
+    dlse = None
+    if case.variant == "dlse":
+        dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5)).to(device)
     bcfg = bwd_config(case.d, dv, case.dtype, case.device_type)
-    backward.gradients(do, q, k, v, o, lse, scale, case.causal, dlse, config=bcfg, mods=mods)
+    outputs = [o, lse, *backward.gradients(do, q, k, v, o, lse, scale, case.causal, dlse, config=bcfg, mods=mods)]
     if mods is PLAIN:
         dcfg = decode_config(case.d, dv, case.dtype, case.device_type, batch_heads=b * case.hkv,
                              max_seqlen_k=case.sk, num_sms=132)
-        seqlens = torch.full((b,), case.sk, dtype=torch.int32)
-        decode.attention_with_kvcache(q[:, :1], k, v, None, None, seqlens, None, scale, case.causal, case.num_splits,
-                                      config=dcfg)
+        seqlens = torch.full((b,), case.sk, dtype=torch.int32, device=device)
+        outputs += decode.attention_with_kvcache(q[:, :1], k, v, None, None, seqlens, None, scale, case.causal,
+                                                 case.num_splits, config=dcfg)
+    return [x for x in outputs if x is not None]
 
 
 @pytest.fixture
