@@ -36,7 +36,7 @@ from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
                       page_and_slot, row_tile)
 from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_num_splits
-from ._launch import launch
+from ._launch import launch, next_power_of_2
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
 
 
@@ -209,7 +209,7 @@ def _make_plan(q, k_cache, v_cache, block_table, cfg: DecodeConfig, causal: bool
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     group = hq // hkv
     paged = block_table is not None
-    block_m = min(cfg.block_m, max(16, triton.next_power_of_2(sq * group)))
+    block_m = min(cfg.block_m, max(16, next_power_of_2(sq * group)))
     row_blocks = -(-sq * group // block_m)
     if row_blocks > MAX_GRID_Y:
         raise ValueError(f"{sq} query tokens x {group} heads per kv head need {row_blocks} row blocks, beyond the "
@@ -220,7 +220,7 @@ def _make_plan(q, k_cache, v_cache, block_table, cfg: DecodeConfig, causal: bool
     strides = (*q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0) if paged else 0)
     constexprs = dict(
         HEADS_KV=hkv, GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        BLOCK_D=max(16, next_power_of_2(d)), BLOCK_DV=max(16, next_power_of_2(dv)),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=causal,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
