@@ -28,23 +28,13 @@ PLAIN_CASES += [(128, True, "float32"), (128, True, "float16")]
 def _compile_only(src: str):
     """Import onlineattn from ``src`` with launches turned into sm_90 compiles; return (module, list of compiled)."""
     os.environ.pop("TRITON_INTERPRET", None)
+    os.environ["ONLINEATTN_LAUNCH_CACHE"] = "0"  # every launch through run(), where the compiles are collected
     sys.path.insert(0, src)
-    import torch  # noqa: F401
     import triton
     import triton.runtime.jit as jit
-    from triton.backends.compiler import GPUTarget
+    from probe_launch import Sm90NoLaunch
 
-    class Sm90:
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device):
-            return 0
-
-    triton.runtime.driver.set_active(Sm90())
+    triton.runtime.driver.set_active(Sm90NoLaunch())
     compiled = []
     run = jit.JITFunction.run
 

@@ -31,6 +31,7 @@ from ._common import (
     LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, row_tile, sequence_bounds,
 )
 from ._configs import bwd_config
+from ._launch import cdiv, launch, next_power_of_2
 from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, variant_args
 
 PREPROCESS_ROWS = 64  # rows per program of the delta pass: it streams O and dO once, any tile saturates bandwidth
@@ -431,13 +432,14 @@ def _descriptor(x, box_rows: int, box_heads: int, box_d: int):
 def _preprocess(o, do, lse, dlse, delta) -> None:
     """``delta = rowsum(dO ∘ O) − dlse`` for o, do ``[B, Sq, Hq, Dv]`` into delta ``[B, Hq, Sq]`` (lse's layout)."""
     b, sq, hq, dv_dim = o.shape
-    attention_bwd_preprocess_kernel[(triton.cdiv(sq, PREPROCESS_ROWS), b * hq)](
+    launch(
+        attention_bwd_preprocess_kernel, (cdiv(sq, PREPROCESS_ROWS), b * hq),
         o, do, lse if dlse is None else dlse, delta,
         o.stride(0), o.stride(1), o.stride(2),
         do.stride(0), do.stride(1), do.stride(2),
         delta.stride(0), delta.stride(1),
         sq, hq,
-        HEAD_DIM_V=dv_dim, BLOCK_M=PREPROCESS_ROWS, BLOCK_DV=max(16, triton.next_power_of_2(dv_dim)),
+        HEAD_DIM_V=dv_dim, BLOCK_M=PREPROCESS_ROWS, BLOCK_DV=max(16, next_power_of_2(dv_dim)),
         HAS_DLSE=dlse is not None,
     )
 
@@ -448,7 +450,7 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     b, sq, hq, d = q.shape
     sk, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
-    block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv_dim))
+    block_d, block_dv = max(16, next_power_of_2(d)), max(16, next_power_of_2(dv_dim))
     common = dict(
         GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
         CAUSAL=causal and mods.band(causal) is None, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -473,7 +475,8 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     if tma_rows:
         q_arg = _descriptor(q, t.block_m // group, group, block_d)
         do_arg = _descriptor(do, t.block_m // group, group, block_dv)
-    attention_bwd_dkdv_kernel[(triton.cdiv(sk, t.block_n), b * hkv)](
+    launch(
+        attention_bwd_dkdv_kernel, (cdiv(sk, t.block_n), b * hkv),
         q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
         **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, num_warps=t.num_warps,
         num_stages=t.num_stages,
@@ -482,7 +485,8 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     k_arg, v_arg = k, v
     if tma_keys:
         k_arg, v_arg = _descriptor(k, t.block_n, 1, block_d), _descriptor(v, t.block_n, 1, block_dv)
-    attention_bwd_dq_kernel[(triton.cdiv(sq * group, t.block_m), b * hkv)](
+    launch(
+        attention_bwd_dq_kernel, (cdiv(sq * group, t.block_m), b * hkv),
         q, k_arg, v_arg, do, lse, delta, dq, *strides_in, *strides_dq, *strides_lse, *scalars, **variants,
         **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_keys, num_warps=t.num_warps,
         num_stages=t.num_stages,

@@ -36,6 +36,7 @@ from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
                       page_and_slot, row_tile)
 from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_num_splits
+from ._launch import launch
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
 
 
@@ -304,7 +305,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         work, counts = _workspace(device, tiles * (dv + 1), plan.grid_bh * plan.row_blocks)
     else:
         work, counts = o, cache_seqlens  # unused: stand-ins of the right kind
-    decode_kernel[(plan.grid_bh, plan.row_blocks, num_splits)](
+    launch(
+        decode_kernel, (plan.grid_bh, plan.row_blocks, num_splits),
         q, k_cache, v_cache, cache_seqlens, cache_seqlens if block_table is None else block_table,
         o, o if lse is None else lse, work, counts,
         *plan.strides,

@@ -23,6 +23,7 @@ from ._common import (
     sequence_bounds, tile_order, visible,
 )
 from ._configs import fwd_config
+from ._launch import cdiv, launch, next_power_of_2
 
 
 @triton.jit
@@ -284,7 +285,7 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
     b, sq, hq, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
-    block_d, block_dv = max(16, triton.next_power_of_2(d)), max(16, triton.next_power_of_2(dv))
+    block_d, block_dv = max(16, next_power_of_2(d)), max(16, next_power_of_2(dv))
     k_arg, v_arg = k, v
     if use_tma:
         k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, cfg.block_n, 1, block_d])
@@ -297,9 +298,9 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
         strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                    v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
                    lse.stride(0), lse.stride(1))
-    grid = (triton.cdiv(sq * group, cfg.block_m), b * hkv)
-    attention_fwd_kernel[grid](
-        q, k_arg, v_arg, o, lse, *strides,
+    grid = (cdiv(sq * group, cfg.block_m), b * hkv)
+    launch(
+        attention_fwd_kernel, grid, q, k_arg, v_arg, o, lse, *strides,
         sq, sk, hkv, scale * LOG2E,
         **variant_args(mods, causal, scale, b, hq, sq, sk),
         GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv,

@@ -1,0 +1,172 @@
+"""The launch cache (ops/_launch.py): host time per call and the kernel it launches.
+
+Without a GPU, the active Triton driver is replaced by one that reports an sm_90 target and whose launcher does nothing, so every
+launch runs all of Triton's Python (binder, specialisation, cache lookup, launch metadata) and our own, and stops at
+the C launch. Kernels compile for sm_90 with Triton's ptxas (cached on disk after the first run).
+
+    python benchmarks/probe_launch.py time            # host µs per forward / backward call, cache off vs on
+    python benchmarks/probe_launch.py check [i ...]   # every cached launch is the kernel run() would pick
+    python benchmarks/probe_launch.py gpu [i ...]     # on the GPU: outputs bitwise equal with the cache off / on
+
+``check`` runs on the GPU machine too, with the real driver and CUDA tensors. The case indices are those of
+tests/ops/test_launch.py's ``CASES``.
+
+``check`` wraps ``launch``: after each call it asks Triton's own ``run(..., warmup=True)`` for the kernel of the same
+arguments and requires the very object the cached path launched.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.runtime.jit
+from triton.backends.compiler import GPUTarget
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Utils:
+    def load_binary(self, name, kernel, shared, device):
+        return 1, 1, 0, 0, 1024  # module, function, n_regs, n_spills, n_max_threads
+
+    def get_device_properties(self, device):
+        return {"max_shared_mem": 232448, "multiprocessor_count": 132}
+
+
+class Sm90NoLaunch:
+    """Enough of a CUDA driver for Triton to compile (compile_sm90.py uses it too) and to 'launch': the launch itself
+    is a no-op. Set it active before onlineattn is imported with TRITON_INTERPRET unset."""
+
+    utils = _Utils()
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 0
+
+    def launcher_cls(self, src, metadata):
+        return lambda *args: None
+
+
+def _cases():
+    """(name, forward call, backward call) on CPU tensors (their pointers are 16-byte aligned, as CUDA's are), with
+    the H200's config tables (TMA descriptors where they apply) and with the interpreter's (no descriptors)."""
+    from onlineattn.ops import backward as B
+    from onlineattn.ops import forward as F
+    from onlineattn.ops._configs import bwd_config, fwd_config
+
+    b, n, h, d = (int(x) for x in os.environ.get("PROBE_SHAPE", "4 512 16 128").split())
+    q, k, v, do = (torch.randn(b, n, h, d, dtype=torch.bfloat16) for _ in range(4))
+    o, lse = torch.randn_like(q), torch.randn(b, h, n)
+    for table in ("cuda", "cpu"):
+        for causal in (False, True):
+            fcfg, bcfg = fwd_config(d, d, q.dtype, causal, table, seqlen_q=n), bwd_config(d, d, q.dtype, table)
+            yield (f"B={b} N={n} H={h} d={d} causal={causal:d} {table} tiles",
+                   lambda c=causal, cfg=fcfg: F.forward(q, k, v, 0.1, c, config=cfg),
+                   lambda c=causal, cfg=bcfg: B.backward(do, q, k, v, o, lse, 0.1, c, config=cfg))
+
+
+def time_calls(reps: str = "1000") -> None:
+    reps = int(reps)
+    from onlineattn.ops import _launch
+
+    for name, fwd, bwd in _cases():
+        for label, fn in (("fwd", fwd), ("bwd", bwd)):
+            row = []
+            for enabled in (False, True, False, True):  # interleaved, twice
+                _launch.enabled = enabled
+                for _ in range(50):
+                    fn()
+                t = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                row.append((time.perf_counter() - t) / reps * 1e6)
+            print(f"{name} {label}: cache off {row[0]:.1f} / {row[2]:.1f} us, on {row[1]:.1f} / {row[3]:.1f} us",
+                  flush=True)
+
+
+def gpu(*indices: str) -> None:
+    """On a CUDA machine (real launches): each case with the cache off, then twice with it on (a miss, then a hit);
+    the outputs must be bitwise equal, and every launch the kernel run() picks (as in ``check``)."""
+    from onlineattn.ops import _launch
+
+    sys.path.insert(0, str(ROOT / "tests" / "ops"))
+    from test_launch import CASES, call_case
+
+    bits = lambda x: x.detach().contiguous().view(torch.uint8)  # noqa: E731
+    failures = 0
+    for case in [CASES[int(i)] for i in indices] if indices else CASES:
+        _launch.enabled = False
+        want = call_case(case, "cuda")
+        _launch.enabled = True
+        for attempt in ("miss", "hit"):
+            got = call_case(case, "cuda")
+            same = len(got) == len(want) and all(torch.equal(bits(a), bits(b)) for a, b in zip(got, want))
+            failures += not same
+            print(f"{case} {attempt}: {'bitwise equal' if same else 'DIFFERENT'}", flush=True)
+    torch.cuda.synchronize()
+    print(f"{failures} cases differ")
+    if failures:
+        raise SystemExit(1)
+
+
+def check(*indices: str) -> None:
+    """Forward, backward and decode over the cases of tests/ops/test_launch.py (those at ``indices``, else all; each
+    distinct specialisation compiles once, seconds each), every call twice: a miss, then a hit."""
+    from onlineattn.ops import _launch, backward, decode, forward
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine: real launches, real driver
+    launched = []
+    original = _launch.launch
+
+    def checked(kernel, grid, *args, **kwargs):
+        compiled = original(kernel, grid, *args, **kwargs)
+        expected = kernel.run(*args, grid=grid, warmup=True, **kwargs)
+        launched.append(compiled is expected)
+        if compiled is not expected:
+            print(f"MISMATCH {kernel.fn.__name__}", flush=True)
+        return compiled
+
+    for module in (forward, backward, decode):
+        module.launch = checked
+    misses = []  # launches that went through run() (warmup=False): the rest were cache hits
+    run = triton.runtime.jit.JITFunction.run
+
+    def counted(self, *args, grid, warmup, **kwargs):
+        misses.append(warmup)
+        return run(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    triton.runtime.jit.JITFunction.run = counted
+    sys.path.insert(0, str(ROOT / "tests" / "ops"))
+    from test_launch import CASES, call_case
+
+    for case in [CASES[int(i)] for i in indices] if indices else CASES:
+        for _ in range(2):
+            call_case(case, device)
+        print(f"{case}: {len(launched)} launches so far, all the run() kernel: {all(launched)}", flush=True)
+    entries = sum(len(s.entries) for s in _launch._kernels.values())
+    through_run = misses.count(False)
+    print(f"{len(launched)} launches checked, {sum(launched)} launched the kernel run() picks; "
+          f"{len(launched) - through_run} were cache hits, {through_run} went through run(); {entries} cache entries")
+    if not all(launched):
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    os.environ.pop("TRITON_INTERPRET", None)  # read when onlineattn's kernels are decorated, below
+    sys.path.insert(0, str(ROOT / "src"))
+    mode = sys.argv[1] if len(sys.argv) > 1 else "time"
+    if not torch.cuda.is_available():
+        triton.runtime.driver.set_active(Sm90NoLaunch())
+    elif mode == "time":
+        raise SystemExit("time stubs the launches: run it where CUDA is absent (on the GPU: probe_host.py)")
+    {"time": time_calls, "check": check, "gpu": gpu}[mode](*sys.argv[2:])

@@ -1,0 +1,171 @@
+"""Launch cache: relaunch a compiled kernel without ``JITFunction.run``'s per-call binder.
+
+``kernel[grid](*args, **kwargs)`` costs ~25 µs of host time per launch in Triton 3.6 (binding ~50 arguments,
+specialising each, hashing the specialisation, building launch metadata), as much as a whole small-shape kernel.
+``launch(kernel, grid, *args, **kwargs)`` makes the same call. The first call with a given key goes through Triton's
+own ``run`` and records the ``CompiledKernel`` it returns; later calls with that key hand the same arguments straight to
+that kernel's launcher, as ``run`` would.
+
+The key refines Triton's: for every argument its type, and
+- tensors: dtype and whether ``data_ptr()`` is 16-byte aligned (Triton's pointer specialisation);
+- tensor descriptors: the base's dtype, the block shape and the padding (Triton's ``tensordesc<dtype[block]>``);
+- anything else (ints, floats, bools, None, strings): the value itself, which covers ``== 1``, ``% 16 == 0``, the
+  int32/int64/uint64 range and every constexpr;
+plus the launch options (``num_warps``...), the current device, and the knobs ``run`` folds into its options
+(``debug``, ``instrumentation_mode``). Equal keys therefore mean equal Triton cache keys, so the same compiled kernel
+(tests/ops/test_launch.py checks this against Triton's binder). The key is finer than Triton's (it holds shapes and
+strides), so a new shape costs one ordinary call.
+
+Everything unusual takes the ordinary path, every call: the interpreter (``TRITON_INTERPRET=1`` makes kernels
+``InterpretedFunction``), a launch hook or pre-run hook installed, a parameter left to its default, an argument of a
+type outside the list above, a callable grid.
+"""
+
+from __future__ import annotations
+
+import os
+from operator import itemgetter
+
+import torch
+from triton import knobs
+from triton.knobs import HookChain
+from triton.runtime.driver import driver
+from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+_VALUE_TYPES = frozenset({int, float, bool, str, type(None)})  # hashable and keyed by value
+# Exact types only: another tensor or descriptor subclass may specialise differently, so it takes run().
+_TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
+_KEYED_TYPES = _VALUE_TYPES | _TENSOR_TYPES | {TensorDescriptor}
+# ONLINEATTN_LAUNCH_CACHE=0 turns the cache off (every launch through run()), for A/B timing and as an escape hatch.
+enabled = os.environ.get("ONLINEATTN_LAUNCH_CACHE", "1") != "0"
+MAX_ENTRIES = 1024  # per kernel: shapes enter the key, so a stream of new shapes (varlen batches) must not grow it
+
+
+class _Layout:
+    """Where the tensors, descriptors and plain values sit in one kernel's bound arguments, for one tuple of types."""
+
+    __slots__ = ("values", "tensors", "descriptors")
+
+    def __init__(self, types: tuple):
+        positions = lambda kinds: [i for i, t in enumerate(types) if t in kinds]  # noqa: E731
+        self.values = _getter(positions(_VALUE_TYPES))
+        self.tensors = _getter(positions(_TENSOR_TYPES))
+        self.descriptors = _getter(positions({TensorDescriptor}))
+
+
+class _Kernel:
+    """Per ``JITFunction``: how to order a call's arguments as ``run`` binds them, the layouts seen, the entries."""
+
+    __slots__ = ("fn", "param_names", "binders", "layouts", "entries")
+
+    def __init__(self, fn: JITFunction):
+        self.fn = fn
+        self.param_names = tuple(p.name for p in fn.params)
+        self.binders = {}  # (len(args), kwargs names) -> (getter of the remaining params, getter of the options)
+        self.layouts = {}  # types of the bound arguments -> _Layout, or None where a type is outside the key's list
+        self.entries = {}  # key -> CompiledKernel
+
+    def binder(self, n_args: int, names: tuple):
+        binder = self.binders.get((n_args, names), False)
+        if binder is False:
+            rest = self.param_names[n_args:]
+            options = tuple(sorted(set(names) - set(rest)))
+            # every parameter passed (no defaults to fill in), options apart: anything else is left to run()
+            ok = set(rest) <= set(names) and not set(options) & set(self.param_names)
+            binder = (_getter(list(rest)), _getter(list(options)), options) if ok else None
+            self.binders[(n_args, names)] = binder
+        return binder
+
+    def layout(self, types: tuple):
+        layout = self.layouts.get(types, False)
+        if layout is False:
+            layout = _Layout(types) if all(t in _KEYED_TYPES for t in types) else None
+            self.layouts[types] = layout
+        return layout
+
+
+# id(JITFunction) -> _Kernel. By id: a JITFunction hashes by its source's hash, a Python call per lookup. The _Kernel
+# holds the JITFunction, so the id cannot be reused while the entry lives.
+_kernels: dict = {}
+
+
+def _getter(keys: list):
+    """``itemgetter`` that always returns a tuple (itemgetter of one key returns the bare item)."""
+    if not keys:
+        return lambda _: ()
+    if len(keys) == 1:
+        key = keys[0]
+        return lambda x: (x[key],)
+    return itemgetter(*keys)
+
+
+def _idle(hook) -> bool:
+    return hook is None or (type(hook) is HookChain and not hook.calls)
+
+
+def bind(kernel, args: tuple, kwargs: dict):
+    """``(state, bound, key)``: the call's arguments in ``run``'s bound order and the cache key, or None where the
+    call is one this cache leaves to ``run``. The key omits the device and the knobs (``launch`` adds them)."""
+    if type(kernel) is not JITFunction or kernel.pre_run_hooks:
+        return None
+    state = _kernels.get(id(kernel))
+    if state is None:
+        state = _kernels[id(kernel)] = _Kernel(kernel)
+    binder = state.binder(len(args), tuple(kwargs))
+    if binder is None:
+        return None
+    params, options, option_names = binder
+    bound = args + params(kwargs)
+    types = tuple(map(type, bound))
+    layout = state.layout(types)
+    if layout is None:
+        return None
+    tensors = tuple([(x.dtype, x.data_ptr() % 16 == 0) for x in layout.tensors(bound)])
+    descriptors = tuple([(d.base.dtype, tuple(d.block_shape), d.padding) for d in layout.descriptors(bound)])
+    # The layout stands for the types (one layout per tuple of types, per kernel) and hashes by id: cheaper than them.
+    key = (layout, layout.values(bound), tensors, descriptors, option_names, options(kwargs))
+    return state, bound, key
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, skipping Triton's binder when this key was launched before."""
+    rt = knobs.runtime
+    bound = None
+    if enabled and type(grid) is tuple and _idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook):
+        bound = bind(kernel, args, kwargs)
+    if bound is None:
+        return kernel[grid](*args, **kwargs)
+    state, values, key = bound
+    device = driver.active.get_current_device()
+    key = (key, device, rt.debug, knobs.compilation.instrumentation_mode)
+    compiled = state.entries.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if compiled is not None:  # None: a jit_cache_hook skipped the compile
+            if len(state.entries) >= MAX_ENTRIES:
+                state.entries.clear()
+            state.entries[key] = compiled.result() if hasattr(compiled, "result") else compiled
+        return compiled
+    for (name, _), (value, globals_dict) in kernel.used_global_vals.items():  # run()'s check, same error
+        if globals_dict.get(name, _MISSING) != value:
+            return kernel[grid](*args, **kwargs)
+    stream = driver.active.get_current_stream(device)
+    n = len(grid)
+    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
+                 compiled.packed_metadata, None, None, None, *values)
+    return compiled
+
+
+_MISSING = object()
+
+
+# Grid and block arithmetic for the launchers. triton.cdiv and triton.next_power_of_2 are constexpr functions in
+# Triton 3.6: called from Python they go through a wrapper that costs ~2 µs a call, several per attention call.
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of 2 >= n, for n >= 0 (0 for 0, as Triton's)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0

@@ -1,0 +1,343 @@
+"""The launch cache (ops/_launch.py): its key must determine Triton's own cache key, and its bound arguments must be the
+ones ``JITFunction.run`` passes to the launcher.
+
+The cases call the real launchers (forward, backward, decode) with ``launch`` replaced by a recorder, so no kernel runs
+and the checks hold on CPU. Triton's key for each recorded call comes from Triton's own binder for an sm_90 backend,
+as ``run`` computes it. benchmarks/probe_launch.py ``check`` replays the same cases through compiled sm_90 kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+import triton
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, compute_cache_key, create_function_from_signature
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from onlineattn._mods import PLAIN, Mods
+from onlineattn.dropout import draw_rng_state
+from onlineattn.ops import _launch, backward, decode, forward
+from onlineattn.ops._configs import bwd_config, decode_config, fwd_config
+
+
+@dataclass(frozen=True)
+class Case:
+    d: int = 64
+    dv: int = 0  # 0: d
+    dtype: torch.dtype = torch.float16
+    causal: bool = False
+    b: int = 2
+    sq: int = 33
+    sk: int = 33
+    hq: int = 4
+    hkv: int = 2
+    offset: int = 0  # elements before q, k, v, do in their storage: 8 keeps fp16/bf16 pointers 16-byte aligned, 1 not
+    transposed: bool = False  # q, k, v, do as [B, H, S, D] storage seen as [B, S, H, D]
+    variant: str = ""  # "", window, softcap, alibi, bias, sinks, dropout, varlen, dlse
+    device_type: str = "cuda"  # the config tables: cuda (descriptors where allowed) or cpu (interpreter tiles)
+    num_splits: int = 1  # decode
+
+
+CASES = [
+    Case(),
+    Case(causal=True),
+    Case(offset=8),
+    Case(offset=1),
+    Case(offset=1, causal=True, dtype=torch.bfloat16),
+    Case(transposed=True),
+    Case(d=40, hq=3, hkv=1, sq=17, sk=49),  # odd strides, one kv head (heads_kv == 1 is a constexpr to Triton)
+    Case(d=40, offset=1, sq=16, sk=16),  # seqlens % 16 == 0
+    Case(d=128, hq=8, hkv=2, causal=True, dtype=torch.bfloat16),
+    Case(d=128, hq=8, hkv=8, b=1, sq=1, sk=64),  # batch 1, one query
+    Case(d=256, hq=2, hkv=2, dtype=torch.bfloat16),
+    Case(d=256, hq=2, hkv=2, causal=True, offset=1),
+    Case(d=64, dv=128, hq=6, hkv=2),  # group of 3: the dK/dV kernel reads Q through pointers
+    Case(dtype=torch.float32),
+    Case(dtype=torch.float32, d=128, offset=1),
+    Case(device_type="cpu"),
+    Case(device_type="cpu", offset=1, causal=True),
+    *[Case(variant=variant) for variant in ("window", "softcap", "alibi", "bias", "sinks", "dropout", "varlen",
+                                            "dlse")],
+    Case(variant="varlen", causal=True, offset=1),
+    Case(variant="bias", causal=True, d=128, dtype=torch.bfloat16),
+    Case(num_splits=4),
+    Case(num_splits=3, causal=True, offset=1, d=128, dtype=torch.bfloat16),
+]
+
+
+def _tensor(case: Case, shape, device, seed):
+    """Fresh storage of ``shape`` starting ``case.offset`` elements in; ``[B, S, H, D]`` over ``[B, H, S, D]`` storage
+    when ``case.transposed``."""
+    g = torch.Generator().manual_seed(seed)
+    stored = (shape[0], shape[2], shape[1], shape[3]) if case.transposed else shape
+    flat = torch.randn(case.offset + torch.Size(stored).numel(), generator=g).to(device=device, dtype=case.dtype)
+    x = flat[case.offset:].view(stored)
+    return x.transpose(1, 2) if case.transposed else x
+
+
+def _mods(case: Case, b: int, device) -> Mods:
+    g = torch.Generator().manual_seed(4)
+    to = lambda x: x.to(device)  # noqa: E731
+    if case.variant == "window":
+        return Mods(window_left=8, window_right=0)
+    if case.variant == "softcap":
+        return Mods(softcap=30.0)
+    if case.variant == "alibi":
+        return Mods(alibi_slopes=to(torch.rand(case.hq, generator=g)))
+    if case.variant == "bias":
+        return Mods(attn_bias=to(torch.randn(b, case.hq, case.sq, case.sk, generator=g).to(case.dtype)))
+    if case.variant == "sinks":
+        return Mods(sinks=to(torch.randn(case.hq, generator=g)))
+    if case.variant == "dropout":
+        return Mods(dropout_p=0.1, rng=to(draw_rng_state(g)))
+    if case.variant == "varlen":
+        cu_q = to(torch.tensor([0, 5, case.sq * b], dtype=torch.int32))
+        cu_k = to(torch.tensor([0, 7, case.sk * b], dtype=torch.int32))
+        return Mods(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=case.sq * b - 5, max_seqlen_k=case.sk * b - 7)
+    return PLAIN
+
+
+def call_case(case: Case, device="cpu") -> list:
+    """Forward, backward and decode launches of one case, on fresh tensors drawn from fixed seeds; their outputs."""
+    b, dv = case.b, case.dv or case.d
+    q, k, v = (_tensor(case, (b, s, h, d), device, seed=i)
+               for i, (s, h, d) in enumerate(((case.sq, case.hq, case.d), (case.sk, case.hkv, case.d),
+                                               (case.sk, case.hkv, dv))))
+    do = _tensor(case, (b, case.sq, case.hq, dv), device, seed=3)
+    mods, scale = _mods(case, b, device), case.d ** -0.5
+    if mods.varlen:
+        q, k, v, do = (x.reshape(-1, *x.shape[2:]) for x in (q, k, v, do))
+    fcfg = fwd_config(case.d, dv, case.dtype, case.causal, case.device_type, seqlen_q=case.sq,
+                      variants=mods is not PLAIN)
+    o, lse = forward.forward(q, k, v, scale, case.causal, config=fcfg, mods=mods)
+    dlse = None
+    if case.variant == "dlse":
+        dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5)).to(device)
+    bcfg = bwd_config(case.d, dv, case.dtype, case.device_type)
+    outputs = [o, lse, *backward.gradients(do, q, k, v, o, lse, scale, case.causal, dlse, config=bcfg, mods=mods)]
+    if mods is PLAIN:
+        dcfg = decode_config(case.d, dv, case.dtype, case.device_type, batch_heads=b * case.hkv,
+                             max_seqlen_k=case.sk, num_sms=132)
+        seqlens = torch.full((b,), case.sk, dtype=torch.int32, device=device)
+        outputs += decode.attention_with_kvcache(q[:, :1], k, v, None, None, seqlens, None, scale, case.causal,
+                                                 case.num_splits, config=dcfg)
+    return [x for x in outputs if x is not None]
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every ``launch`` call of the launchers, as (kernel, grid, args, kwargs); nothing runs."""
+    calls = []
+
+    def record(kernel, grid, *args, **kwargs):
+        calls.append((kernel, grid, args, kwargs))
+
+    for module in (forward, backward, decode):
+        monkeypatch.setattr(module, "launch", record)
+    return calls
+
+
+_JIT = {}
+_SM90 = make_backend(GPUTarget("cuda", 90, 32))
+
+
+def _jit(kernel) -> JITFunction:
+    """The kernel as a JITFunction (under TRITON_INTERPRET=1 the decorator made an InterpretedFunction)."""
+    if type(kernel) is JITFunction:
+        return kernel
+    if kernel.fn not in _JIT:
+        _JIT[kernel.fn] = JITFunction(kernel.fn)
+    return _JIT[kernel.fn]
+
+
+def triton_bind(kernel, args, kwargs):
+    """``(bound values, Triton's cache key)`` as ``JITFunction.run`` computes them for an sm_90 device."""
+    binder = create_function_from_signature(kernel.signature, kernel.params, _SM90)
+    kwargs = dict(kwargs, debug=kernel.debug or knobs.runtime.debug,
+                  instrumentation_mode=knobs.compilation.instrumentation_mode)
+    bound, specialization, options = binder(*args, **kwargs)
+    return tuple(bound.values()), compute_cache_key({}, specialization, options)
+
+
+def _keys(calls):
+    """(our key, Triton's key, specialisation string) per recorded call, after checking the bound arguments."""
+    rows = []
+    for kernel, grid, args, kwargs in calls:
+        jit = _jit(kernel)
+        ours = _launch.bind(jit, args, kwargs)
+        assert ours is not None, f"{jit.fn.__name__}: the launch cache would leave this call to run()"
+        _, bound, key = ours
+        triton_values, triton_key = triton_bind(jit, args, kwargs)
+        assert len(bound) == len(triton_values) and all(a is b for a, b in zip(bound, triton_values)), (
+            f"{jit.fn.__name__}: the cached path would pass other arguments than run()")
+        rows.append((jit.fn.__name__, key, triton_key))
+    return rows
+
+
+def test_every_launch_is_cacheable_and_binds_as_run(recorded):
+    for case in CASES:
+        call_case(case)
+    rows = _keys(recorded)
+    assert {name for name, _, _ in rows} == {"attention_fwd_kernel", "attention_bwd_preprocess_kernel",
+                                             "attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel", "decode_kernel"}
+
+
+def test_key_determines_triton_key(recorded):
+    """One of our keys never stands for two Triton keys: equal keys launch the same compiled kernel. The cases must
+    reach every kind of specialisation Triton makes, or the check would prove little."""
+    for case in CASES:
+        call_case(case)
+    triton_of = {}
+    for name, key, triton_key in _keys(recorded):
+        assert triton_of.setdefault((name, key), triton_key) == triton_key, f"{name}: one key, two Triton keys"
+    specs = " ".join(triton_of.values())
+    for kind in ("('*fp16', 'D')", "('*fp16', '')", "('*bf16', '')", "('*fp32', 'D')", "('i32', 'D')",
+                 "('i32', '')", "('constexpr', 1)", "('constexpr', None)", "tensordesc<bf16", "tensordesc<fp16",
+                 "('fp32', None)", "('*i32', 'D')", "('*i64', 'D')"):
+        assert kind in specs, f"no case reaches the specialisation {kind}"
+    assert len(set(triton_of.values())) >= 80  # distinct Triton keys the cases cover
+
+
+def test_same_shapes_give_the_same_keys(recorded):
+    """Fresh tensors of the same shapes (new pointers) hit: the key holds no pointer, only its alignment."""
+    for case in CASES:
+        call_case(case)
+    first = [key for _, key, _ in _keys(recorded)]
+    recorded.clear()
+    for case in CASES:
+        call_case(case)
+    assert [key for _, key, _ in _keys(recorded)] == first
+
+
+def _unaligned(x):
+    return torch.empty(x.numel() + 1, dtype=x.dtype)[1:].view(x.shape)  # x's shape and strides, 2 bytes off
+
+
+def test_every_specialisation_splits_keys(recorded):
+    """One forward launch with K/V descriptors, changed one argument at a time in each way Triton specialises on
+    (pointer alignment and dtype, descriptor dtype and block, ints equal to 1, multiples of 16 and past int32, None
+    against a tensor, bool against int, float against int, options): wherever Triton's key changes, ours does."""
+    call_case(Case(d=128, dtype=torch.bfloat16, causal=True))
+    kernel, grid, args, kwargs = recorded[0]
+    jit = _jit(kernel)
+    q, k_desc = args[0], args[1]
+    assert isinstance(k_desc, TensorDescriptor)
+    desc = lambda base, block, **kw: TensorDescriptor(base, list(base.shape), list(base.stride()), block, **kw)  # noqa
+    block = list(k_desc.block_shape)
+    positional = [
+        (0, _unaligned(q)), (0, q.half()), (0, q.float()),
+        (1, desc(k_desc.base, [1, 32, 1, block[3]])), (1, desc(k_desc.base.half(), block)),
+        (1, desc(k_desc.base, block, padding="nan")), (1, desc(k_desc.base.clone(), block)),
+        *[(5, stride) for stride in (1, 16, 17, 2**31, 2**31 + 16, -16)], (len(args) - 1, 1), (len(args) - 1, 2),
+    ]
+    keyword = [("window_left", w) for w in (0, 1, 16, 17, True)] + [
+        ("CU_Q", torch.zeros(3, dtype=torch.int32)), ("CU_Q", torch.zeros(3, dtype=torch.int64)),
+        ("VARLEN", 0), ("VARLEN", True), ("dropout_p", 0), ("num_warps", 8), ("num_stages", 2),
+    ]
+    calls = [(args, kwargs)]
+    calls += [(args[:i] + (value,) + args[i + 1:], kwargs) for i, value in positional]
+    calls += [(args, {**kwargs, name: value}) for name, value in keyword]
+    triton_of, ours_of = {}, {}
+    for a, kw in calls:
+        ours, (_, triton_key) = _launch.bind(jit, a, kw)[2], triton_bind(jit, a, kw)
+        assert triton_of.setdefault(ours, triton_key) == triton_key, "one key, two Triton keys"
+        ours_of.setdefault(triton_key, ours)
+    # Every perturbation changes Triton's key but seven, in a class Triton does not split: stride 16 and -16 (as the
+    # base's 16896, i32 % 16 == 0), 2^31 + 16 (as 2^31), window_left 0 and 16 (as the base's 0), the padding and
+    # another base of the same dtype.
+    assert len(ours_of) == len(calls) - 7
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# launch() itself, with a stand-in compiled kernel: hits, misses and the cases left to run().
+
+
+class _Compiled:
+    """Stands in for a CompiledKernel: records what its launcher is given."""
+
+    function, packed_metadata = "function", "packed"
+
+    def __init__(self):
+        self.launches = []
+
+    def run(self, *args):
+        self.launches.append(args)
+
+
+class _Driver:
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device):
+        return 7
+
+
+@pytest.fixture
+def fake_run(monkeypatch, recorded):
+    """The first recorded forward launch on a JITFunction whose run() is a stand-in counting its calls."""
+    call_case(Case())
+    kernel, grid, args, kwargs = recorded[0]
+    jit = JITFunction(kernel.fn)
+    runs = []
+
+    def run(*a, grid, warmup, **kw):
+        runs.append(grid)
+        return compiled
+
+    compiled = _Compiled()
+    monkeypatch.setattr(jit, "run", run)
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Driver())
+    monkeypatch.setattr(_launch, "enabled", True)
+    return jit, grid, args, kwargs, runs, compiled
+
+
+def test_launch_hits_after_one_run(fake_run):
+    jit, grid, args, kwargs, runs, compiled = fake_run
+    assert _launch.launch(jit, grid, *args, **kwargs) is compiled
+    assert runs == [grid] and compiled.launches == []
+    assert _launch.launch(jit, grid, *args, **kwargs) is compiled
+    assert runs == [grid]  # no second run()
+    (launched,) = compiled.launches
+    bound = _launch.bind(jit, args, kwargs)[1]
+    assert launched[:9] == (grid[0], grid[1], 1, 7, "function", "packed", None, None, None)
+    assert all(a is b for a, b in zip(launched[9:], bound)) and len(launched) == 9 + len(bound)
+    q = args[0]
+    unaligned = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # the same strides, 2 bytes off
+    _launch.launch(jit, grid, unaligned, *args[1:], **kwargs)
+    assert len(runs) == 2
+
+
+@pytest.mark.parametrize("unusual", ["hook", "disabled", "default_left_out", "odd_type", "callable_grid"])
+def test_unusual_calls_take_run(fake_run, monkeypatch, unusual):
+    jit, grid, args, kwargs, runs, compiled = fake_run
+    if unusual == "hook":
+        monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [print])
+    elif unusual == "disabled":
+        monkeypatch.setattr(_launch, "enabled", False)
+    elif unusual == "default_left_out":
+        kwargs = {name: value for name, value in kwargs.items() if name != "DROPOUT"}
+    elif unusual == "odd_type":
+        kwargs = {**kwargs, "window_left": np.int64(0)}
+    elif unusual == "callable_grid":
+        g = grid
+        grid = lambda meta: g  # noqa: E731
+    for _ in range(3):
+        _launch.launch(jit, grid, *args, **kwargs)
+    assert len(runs) == 3 and compiled.launches == []
+
+
+def test_interpreted_kernels_take_run():
+    if not knobs.runtime.interpret:
+        pytest.skip("the kernels are compiled here (TRITON_INTERPRET is not set), not interpreted")
+    assert _launch.bind(forward.attention_fwd_kernel, (), {}) is None
+
+
+def test_host_arithmetic_matches_triton():
+    assert [_launch.next_power_of_2(n) for n in range(4097)] == [triton.next_power_of_2(n) for n in range(4097)]
+    assert all(_launch.cdiv(a, b) == triton.cdiv(a, b) for a in range(300) for b in range(1, 70))
