@@ -5,6 +5,7 @@ an sm_90 target; the launchers are called as usual, with every launch turned int
 
     python benchmarks/compile_sm90.py --base 6ed21b2      # plain kernels: PTX and SASS of HEAD's tree vs the base's
     python benchmarks/compile_sm90.py --variants           # every score variant compiles, with its shared memory
+    python benchmarks/compile_sm90.py --atomic             # the atomic-dQ candidates: shared, registers, spills
 
 The comparison ignores debug info, labels and parameter declarations (new unused parameters are expected), so
 "identical" means the same PTX instructions in the same order; SASS is compared as nvdisasm prints it.
@@ -108,6 +109,60 @@ def compile_variants(src: str, out: Path) -> None:
                 _dump(compiled, out, f"{tag}-{dtype}-d{d}")
 
 
+def _ptxas_usage(ptx: str) -> str:
+    """Registers and spills of a kernel's PTX as ptxas -v reports them for sm_90a (the cubin alone does not say)."""
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        run = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.cubin")],
+                             capture_output=True, text=True)
+    text = run.stdout + run.stderr
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if regs is None:
+        return f"ptxas failed: {text.strip().splitlines()[-1] if text.strip() else run.returncode}"
+    return f"regs {regs.group(1):>3}, spill stores {spills.group(1)} B, loads {spills.group(2)} B"
+
+
+def _tile_name(t) -> str:
+    return f"{t.block_m}x{t.block_n}-w{t.num_warps}-s{t.num_stages}{'-tma' if t.tma else ''}"
+
+
+def compile_atomic(src: str, out: Path, head_dims=(256,)) -> None:
+    """Every atomic-dQ candidate (``_configs.BWD_ATOMIC_CANDIDATES``) and the table's two-kernel entry, bf16, causal
+    and not, MHA and GQA 4 (the dK/dV kernel with TMA rows needs whole groups in a row tile)."""
+    compiled = _compile_only(src)
+    import torch
+    from onlineattn.ops import _configs as C
+    from onlineattn.ops import backward as B
+
+    for d in head_dims:
+        configs = [("table", C.bwd_config(d, d, torch.bfloat16, "cuda"))]
+        configs += [(f"atomic-{_tile_name(c.dkdv)}", c) for c in C.BWD_ATOMIC_CANDIDATES.get(d, [])]
+        for tag, cfg in configs:
+            for causal in (False, True):
+                for hkv in (8, 2):
+                    q, k, v, do = _inputs(d, "bfloat16", hq=8, hkv=hkv)
+                    head = f"d{d} {tag:24} causal{int(causal)} hkv{hkv}"
+                    try:
+                        B.backward(do, q, k, v, q, torch.randn(2, 8, 1024), d**-0.5, causal, config=cfg)
+                    except Exception as err:  # out of shared memory, or ptxas gave up: say so and go on
+                        print(f"{head} {type(err).__name__}: {str(err).splitlines()[0][:120]}", flush=True)
+                        compiled.clear()
+                        continue
+                    for name, kernel in compiled:
+                        if name == "attention_bwd_preprocess_kernel":
+                            continue
+                        over = ", OVER the 227 KiB a block may have" if kernel.metadata.shared > 227 * 1024 else ""
+                        print(f"{head} {name:26} shared {kernel.metadata.shared:6d} B{over}, "
+                              f"{_ptxas_usage(kernel.asm['ptx'])}", flush=True)
+                        (out / f"d{d}-{tag}-causal{int(causal)}-hkv{hkv}-{name}.ptx").write_text(kernel.asm["ptx"])
+                    compiled.clear()
+
+
 def _ptx_body(text: str) -> list[str]:
     text = re.split(r"\.section\s+\.debug", text)[0]
     lines = []
@@ -142,20 +197,32 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--base", help="commit whose plain kernels HEAD's working tree is compared with")
     p.add_argument("--variants", action="store_true", help="compile every score variant instead")
+    p.add_argument("--atomic", action="store_true", help="compile the atomic-dQ candidate tiles")
+    p.add_argument("--d", type=int, nargs="*", default=[256], help="with --atomic: head dims (default 256)")
+    p.add_argument("--keep", help="with --atomic: a folder to keep their PTX in")
     p.add_argument("--worker", nargs=3, metavar=("KIND", "SRC", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         kind, src, out = args.worker
-        (compile_plain if kind == "plain" else compile_variants)(src, Path(out))
+        if kind == "atomic":
+            compile_atomic(src, Path(out), tuple(args.d))
+        else:
+            (compile_plain if kind == "plain" else compile_variants)(src, Path(out))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         env = {**os.environ, "TRITON_CACHE_DIR": str(tmp / "cache"), "PYTHONDONTWRITEBYTECODE": "1"}
         worker = lambda kind, src, out: subprocess.run(
-            [sys.executable, __file__, "--worker", kind, str(src), str(out)], env=env, check=True)
+            [sys.executable, __file__, "--worker", kind, str(src), str(out), "--d", *map(str, args.d)], env=env,
+            check=True)
         if args.variants:
             (tmp / "variants").mkdir()
             worker("variants", ROOT / "src", tmp / "variants")
+            return 0
+        if args.atomic:
+            keep = Path(args.keep) if args.keep else tmp / "atomic"
+            keep.mkdir(parents=True, exist_ok=True)
+            worker("atomic", ROOT / "src", keep)
             return 0
         if not args.base:
             p.error("give --base COMMIT or --variants")

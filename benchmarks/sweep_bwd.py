@@ -7,6 +7,12 @@ Triton's on-disk cache; the timing then runs alone in this process, one variant 
 
 Usage (on the GPU machine): PYTHONPATH=src python3 benchmarks/sweep_bwd.py --jobs 12 --json $OUT/sweep_bwd.json
 The winners go into src/onlineattn/ops/_configs.py with the measured reason.
+
+``--atomic`` sweeps whole configs instead (d = 256 unless ``--d`` says otherwise): the table's deterministic
+two-kernel entry ("table") against every atomic-dQ candidate of ``_configs.BWD_ATOMIC_CANDIDATES`` ("atomic", what
+``deterministic=False`` may run), each timed as the whole backward and checked against the table's gradients:
+    PYTHONPATH=src python3 benchmarks/sweep_bwd.py --atomic --jobs 12 --json $OUT/sweep_bwd_atomic.json
+    PYTHONPATH=src python3 benchmarks/sweep_bwd.py --atomic --d 64 128 --jobs 12 --json $OUT/sweep_bwd_atomic_small.json
 """
 
 import argparse
@@ -19,7 +25,7 @@ import torch
 import triton.testing
 
 from onlineattn.bench.prefill import Case
-from onlineattn.ops._configs import BwdTile, bwd_config
+from onlineattn.ops._configs import BWD_ATOMIC_CANDIDATES, BwdConfig, BwdTile, _padded, bwd_config
 from onlineattn.ops.backward import backward
 from onlineattn.ops.forward import forward
 
@@ -52,11 +58,16 @@ CANDIDATES = {
 }
 
 
-def variants(head_dims, causals):
-    """Every (d, causal, kernel, tile) to try, in a fixed order (workers shard it by index)."""
+def variants(head_dims, causals, atomic=False):
+    """Every (d, causal, kernel, tile) to try, in a fixed order (workers shard it by index). With ``atomic`` the
+    "kernels" are "table" and "atomic" and each "tile" is a whole BwdConfig."""
     out = []
     for d in head_dims:
         for causal in causals:
+            if atomic:
+                out += [(d, causal, "table", bwd_config(d, d, torch.bfloat16, "cuda"))]
+                out += [(d, causal, "atomic", cfg) for cfg in BWD_ATOMIC_CANDIDATES.get(_padded(d), [])]
+                continue
             for kernel, tiles in CANDIDATES["d256" if d > 128 else "small_d"].items():
                 out += [(d, causal, kernel, tile) for tile in tiles]
     return out
@@ -70,6 +81,8 @@ def _inputs(case: Case):
 
 
 def _config(d, kernel, tile):
+    if isinstance(tile, BwdConfig):  # --atomic: a whole config
+        return tile
     base = bwd_config(d, d, torch.bfloat16, "cuda")
     return dataclasses.replace(base, **{kernel: tile})
 
@@ -84,23 +97,45 @@ def compile_shard(todo, n):
     torch.cuda.synchronize()
 
 
+def _short(t) -> str:
+    if isinstance(t, BwdConfig):  # --atomic: the dK/dV tile says it all (the atomic path has no dQ kernel)
+        return ("atomic " if t.atomic_dq else f"dq {_short(t.dq)} + dkdv ") + _short(t.dkdv)
+    return f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages} tma{int(t.tma)}"
+
+
+def _check_atomic(inputs, d, causal, reference, cfg) -> str:
+    """An atomic config's gradients against the table's (``reference``), and against a rerun of itself (dQ may
+    differ in its last bits: the order of the atomic adds varies; dK and dV may not)."""
+    first = backward(*inputs, d**-0.5, causal, config=cfg)
+    again = backward(*inputs, d**-0.5, causal, config=cfg)
+    rel = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+    err = max(rel(a, b) for a, b in zip(first, reference))
+    rerun = max(rel(a, b) for a, b in zip(first, again))
+    dkdv_same = all(torch.equal(a, b) for a, b in zip(first[1:], again[1:]))
+    return (f"max rel diff vs table {err:.1e}, rerun dq {rerun:.1e}, dk/dv "
+            f"{'bitwise equal' if dkdv_same else 'DIFFER'}")
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--d", type=int, nargs="*", default=[64, 128, 256])
+    ap.add_argument("--d", type=int, nargs="*", default=None, help="head dims (default 64 128 256; 256 with --atomic)")
     ap.add_argument("--n", type=int, nargs="*", default=[2048, 8192])
     ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
+    ap.add_argument("--atomic", action="store_true", help="the table's config against the atomic-dQ candidates")
     ap.add_argument("--jobs", type=int, default=1, help="processes that compile the variants first")
     ap.add_argument("--shard", type=int, nargs=2, default=None, help=argparse.SUPPRESS)  # i, of: a compile worker
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    todo = variants(args.d, list(map(bool, args.causal)))
+    if args.d is None:
+        args.d = [256] if args.atomic else [64, 128, 256]
+    todo = variants(args.d, list(map(bool, args.causal)), args.atomic)
     if args.shard is not None:
         i, of = args.shard
         compile_shard(todo[i::of], args.n[0])
         return
     if args.jobs > 1:
         base = [sys.executable, __file__, "--d", *map(str, args.d), "--n", str(args.n[0]), "--causal",
-                *map(str, args.causal)]
+                *map(str, args.causal), *(["--atomic"] if args.atomic else [])]
         workers = [subprocess.Popen(base + ["--shard", str(i), str(args.jobs)]) for i in range(args.jobs)]
         for w in workers:
             w.wait()
@@ -111,6 +146,9 @@ def main():
                 case = Case(16384 // n, 2048 // d, n, d, causal)
                 inputs = _inputs(case)
                 best = {}
+                table_grads = None
+                if args.atomic:
+                    table_grads = backward(*inputs, d**-0.5, causal, config=bwd_config(d, d, torch.bfloat16, "cuda"))
                 for _, _, kernel, tile in [t for t in todo if t[0] == d and t[1] == causal]:
                     cfg = _config(d, kernel, tile)
                     try:
@@ -119,27 +157,29 @@ def main():
                             return_mode="median",
                         )
                     except Exception as err:
-                        print(f"  d={d} {kernel} {tile}: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
+                        print(f"  d={d} {kernel} {_short(tile)}: {type(err).__name__}: "
+                              f"{str(err).splitlines()[0][:100]}", flush=True)
                         continue
                     tf = case.flops("bwd") / ms / 1e9
-                    results.append({"d": d, "causal": causal, "n": n, "kernel": kernel, "tile": tile.__dict__,
+                    if kernel == "atomic":
+                        print(f"  d={d} causal={int(causal)} N={n} {_short(tile)}: {tf:.0f} TFLOP/s, "
+                              f"{_check_atomic(inputs, d, causal, table_grads, tile)}", flush=True)
+                    results.append({"d": d, "causal": causal, "n": n, "kernel": kernel,
+                                    "tile": dataclasses.asdict(tile),
                                     "ms": round(ms, 4), "tflops": round(tf, 1)})
                     best.setdefault(kernel, []).append((tf, tile))
                 for kernel, scores in best.items():
                     scores.sort(key=lambda t: -t[0])
-                    top = ", ".join(
-                        f"{tf:.0f} {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages} tma{int(t.tma)}"
-                        for tf, t in scores[:5]
-                    )
+                    top = ", ".join(f"{tf:.0f} {_short(t)}" for tf, t in scores[:len(scores) if args.atomic else 5])
                     print(f"d={d} causal={int(causal)} N={n} {kernel}: {top}", flush=True)
                 winners = {kernel: scores[0][1] for kernel, scores in best.items()}
-                if len(winners) == 2:
+                if not args.atomic and len(winners) == 2:
                     cfg = dataclasses.replace(bwd_config(d, d, torch.bfloat16, "cuda"), **winners)
                     ms = triton.testing.do_bench(lambda: backward(*inputs, d**-0.5, causal, config=cfg), warmup=10,
                                                  rep=40, return_mode="median")
                     print(f"d={d} causal={int(causal)} N={n} both winners: {case.flops('bwd') / ms / 1e9:.0f}",
                           flush=True)
-                del inputs
+                del inputs, table_grads
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f)

@@ -101,10 +101,10 @@ def _check_all(name_dtype, got: dict, exact: dict, base: dict) -> None:
         R.assert_within_rule(name, value, exact[name], base.get(name), name_dtype)
 
 
-def run_case(case: Case, backend: str, dtype, *, device=DEVICE, seed=0) -> None:
+def run_case(case: Case, backend: str, dtype, *, device=DEVICE, seed=0, deterministic=True) -> None:
     """Forward and gradients of ``attention`` with the case's variants against the oracle, under the rule."""
     q, k, v, do, kw, oracle = _inputs(case, dtype, device, seed)
-    o, lse = onlineattn.attention(q, k, v, return_lse=True, backend=backend, **kw)
+    o, lse = onlineattn.attention(q, k, v, return_lse=True, backend=backend, deterministic=deterministic, **kw)
     dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     dlse = dlse.masked_fill(torch.isinf(lse), 0.0)
     _loss(o, lse, do, dlse).backward()
@@ -175,14 +175,15 @@ def test_bias_without_grad_and_non_contiguous_inputs():
 # ---- varlen ---------------------------------------------------------------------------------------------------
 
 
-def run_varlen(case: Case, lengths_q, lengths_k, backend, dtype, *, device=DEVICE, seed=0):
+def run_varlen(case: Case, lengths_q, lengths_k, backend, dtype, *, device=DEVICE, seed=0, deterministic=True):
     """``attention_varlen`` over sequences of the given lengths (zero allowed) against the oracle's varlen."""
     cu_q = torch.tensor(np.concatenate([[0], np.cumsum(lengths_q)]), dtype=torch.int32, device=device)
     cu_k = torch.tensor(np.concatenate([[0], np.cumsum(lengths_k)]), dtype=torch.int32, device=device)
     n, max_q, max_k = len(lengths_q), max(lengths_q), max(lengths_k)
     case = dataclasses.replace(case, b=n, sq=max_q, sk=max_k)  # the padded shape of the dropout mask
     q, k, v, do, kw, oracle = _inputs(case, dtype, device, seed, rows=(sum(lengths_q), sum(lengths_k)))
-    o, lse = onlineattn.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, backend=backend, **kw)
+    o, lse = onlineattn.attention_varlen(q, k, v, cu_q, cu_k, max_q, max_k, return_lse=True, backend=backend,
+                                         deterministic=deterministic, **kw)
     assert o.shape == (sum(lengths_q), case.hq, case.dv) and lse.shape == (case.hq, sum(lengths_q))
     dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
     dlse = dlse.masked_fill(torch.isinf(lse), 0.0)
@@ -393,7 +394,8 @@ def test_ops_with_variants_pass_opcheck(path):
     checks = ("test_schema", "test_faketensor")
     torch.library.opcheck(fwd, (q, k, v, 0.25, True, *mods), test_utils=checks)
     o, lse = fwd(q, k, v, 0.25, True, *mods)
-    torch.library.opcheck(bwd, (do, q, k, v, o, lse, None, 0.25, True, *mods, None, None, 0, 0, True),
+    # after the mods: cu_seqlens_q/k, max_seqlen_q/k, deterministic, bias_grad
+    torch.library.opcheck(bwd, (do, q, k, v, o, lse, None, 0.25, True, *mods, None, None, 0, 0, True, True),
                           test_utils=checks)
     cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=device)
     packed = (q[0], k[0, :9], v[0, :9])
@@ -524,5 +526,5 @@ def test_ops_with_variants_pass_opcheck_gpu():
     (q, k, v, do), mods = _op_case("cuda", torch.bfloat16)
     torch.library.opcheck(torch.ops.onlineattn.attention_fwd, (q, k, v, 0.25, True, *mods))
     o, lse = torch.ops.onlineattn.attention_fwd(q, k, v, 0.25, True, *mods)
-    torch.library.opcheck(torch.ops.onlineattn.attention_bwd,
-                          (do, q, k, v, o, lse, None, 0.25, True, *mods, None, None, 0, 0, True))
+    torch.library.opcheck(torch.ops.onlineattn.attention_bwd,  # then cu_seqlens, max_seqlen, deterministic, bias_grad
+                          (do, q, k, v, o, lse, None, 0.25, True, *mods, None, None, 0, 0, True, True))

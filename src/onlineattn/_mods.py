@@ -28,7 +28,7 @@ UNBOUNDED = 2**30  # a window side of -1 becomes this in the kernels: farther th
 MOD_SCHEMA = (
     "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, Tensor? attn_bias=None, "
     "Tensor? sinks=None, float dropout_p=0.0, Tensor? rng=None, Tensor? cu_seqlens_q=None, "
-    "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0"
+    "Tensor? cu_seqlens_k=None, int max_seqlen_q=0, int max_seqlen_k=0, bool deterministic=True"
 )
 
 
@@ -53,6 +53,10 @@ class Mods:
     cu_seqlens_k: Optional[torch.Tensor] = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # Not a score variant: False lets the Triton backward add dQ with atomics where its table has an atomic tile
+    # (ops/_configs.py), which is faster but not bitwise reproducible. The kernels' scores never read it (see
+    # ``for_kernels``); the torch path ignores it (its backward is deterministic either way).
+    deterministic: bool = True
     batch0: int = field(default=0, compare=False)  # a launch over a slice of the batch: its first entry
 
     def op_args(self) -> tuple:
@@ -68,9 +72,15 @@ class Mods:
     def canonical(self) -> "Mods":
         """``PLAIN`` when every field has its default (a plain call rebuilt from saved state), else ``self``."""
         plain = (self.window_left == -1 and self.window_right == -1 and self.softcap == 0.0 and self.dropout_p == 0.0
-                 and self.max_seqlen_q == 0 and self.max_seqlen_k == 0 and self.batch0 == 0
+                 and self.max_seqlen_q == 0 and self.max_seqlen_k == 0 and self.deterministic and self.batch0 == 0
                  and all(getattr(self, name) is None for name in _TENSOR_FIELDS))
         return PLAIN if plain else self
+
+    def for_kernels(self) -> "Mods":
+        """The mods as the kernels' scores see them: ``deterministic`` set back to its default, so a call whose only
+        change is ``deterministic=False`` launches as ``PLAIN`` (same tiles, no variant arguments). Read the flag
+        before calling this."""
+        return self if self.deterministic else replace(self, deterministic=True).canonical()
 
     @classmethod
     def from_bwd_args(cls, args) -> tuple["Mods", bool]:

@@ -87,7 +87,9 @@ def attention(
             It gets a gradient (summed over its broadcast dims) when it requires one.
         sinks: ``[heads_q]``: one logit per head that joins the softmax's normaliser with no value (gpt-oss). It gets
             a gradient; lse includes it.
-        deterministic: accepted for flash-attn compatibility; every backward here is deterministic.
+        deterministic: True (the default): the backward is bitwise reproducible. False lets the Triton backward
+            add dQ with float32 atomics where that is faster (head dims with an atomic tile in
+            ``ops/_configs.py``; elsewhere, and on the torch path, the deterministic backward runs anyway).
         return_lse: also return the log-sum-exp of the scaled scores (natural log).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         generator: a ``torch.Generator`` for dropout's seed (on q's device type).
@@ -111,10 +113,10 @@ def attention(
     scale = V.check_scale(softmax_scale, dims.head_dim)
     causal = V.check_bool("causal", causal)
     return_lse = V.check_bool("return_lse", return_lse)
-    V.check_bool("deterministic", deterministic)
+    deterministic = V.check_bool("deterministic", deterministic)
     backend = _resolve_backend(backend, q=q)
     mods = _mods(q, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k, window_size, softcap, alibi_slopes,
-                 dropout_p, attn_bias, sinks, generator)
+                 dropout_p, attn_bias, sinks, generator, deterministic)
     return _dispatch(backend, q, k, v, scale, causal, mods, return_lse)
 
 
@@ -167,21 +169,22 @@ def attention_varlen(
     scale = V.check_scale(softmax_scale, vd.dims.head_dim)
     causal = V.check_bool("causal", causal)
     return_lse = V.check_bool("return_lse", return_lse)
-    V.check_bool("deterministic", deterministic)
+    deterministic = V.check_bool("deterministic", deterministic)
     if attn_bias is not None:
         raise NotImplementedError("attn_bias is not supported with attention_varlen: a bias over packed sequences "
                                   "has no single (B, H, Sq, Sk) layout; use attention() per sequence or ALiBi")
     backend = _resolve_backend(backend, q=q)
     mods = _mods(q, vd.batch, vd.dims.heads_q, max_seqlen_q, max_seqlen_k, window_size, softcap, alibi_slopes,
-                 dropout_p, None, sinks, generator)
+                 dropout_p, None, sinks, generator, deterministic)
     mods = replace(mods, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                    max_seqlen_k=max_seqlen_k)
     return _dispatch(backend, q, k, v, scale, causal, mods, return_lse)
 
 
 def _mods(q, batch, heads_q, seqlen_q, seqlen_k, window_size, softcap, alibi_slopes, dropout_p, attn_bias, sinks,
-          generator) -> Mods:
-    """Check the variant keywords and gather them (drawing dropout's seed) into a ``Mods``; PLAIN when unused."""
+          generator, deterministic=True) -> Mods:
+    """Check the variant keywords and gather them (drawing dropout's seed) and ``deterministic`` into a ``Mods``;
+    PLAIN when every one is at its default."""
     left, right = V.check_window(window_size)
     softcap = V.check_nonnegative_float("softcap", softcap)
     dropout_p = V.check_nonnegative_float("dropout_p", dropout_p, below_one=True)
@@ -195,9 +198,9 @@ def _mods(q, batch, heads_q, seqlen_q, seqlen_k, window_size, softcap, alibi_slo
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     rng = dropout.draw_rng_state(generator, q.device) if dropout_p > 0 else None
     tensors = (alibi_slopes, attn_bias, sinks, rng)
-    if (left, right) == (-1, -1) and softcap == 0 and all(x is None for x in tensors):
+    if (left, right) == (-1, -1) and softcap == 0 and all(x is None for x in tensors) and deterministic:
         return PLAIN  # the plain path, exactly as before the variants
-    return Mods(left, right, softcap, alibi_slopes, attn_bias, sinks, dropout_p, rng)
+    return Mods(left, right, softcap, alibi_slopes, attn_bias, sinks, dropout_p, rng, deterministic=deterministic)
 
 
 def _dispatch(backend, q, k, v, scale, causal, mods, return_lse):

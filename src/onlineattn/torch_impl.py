@@ -295,8 +295,8 @@ def gradients_varlen(do, q, k, v, o, lse, scale: float, causal: bool, dlse, mods
 # (dynamo's trace of the in-place loop inside an autograd.Function gave wrong gradients on torch 2.11).
 
 
-# Both paths' ops share one signature: the plain arguments, then the score variants (``_mods.MOD_SCHEMA``, all with
-# defaults, so a plain call passes five arguments). The backward returns the bias's and the sinks' gradients too,
+# Both paths' ops share one signature: the plain arguments, then the score variants and the backward's
+# ``deterministic`` (``_mods.MOD_SCHEMA``, all with defaults, so a plain call passes five arguments). The backward returns the bias's and the sinks' gradients too,
 # as empty tensors where there are none (an op's outputs cannot be None).
 FWD_SCHEMA = f"(Tensor q, Tensor k, Tensor v, float scale, bool causal, {MOD_SCHEMA}) -> (Tensor, Tensor)"
 BWD_SCHEMA = ("(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor? dlse, float scale, "
@@ -359,7 +359,7 @@ def save_for_backward(ctx, inputs, output):
     ctx.scale, ctx.causal = scale, causal
     ctx.set_materialize_grads(False)  # an unused lse (the usual case) reaches the backward as None, not zeros
     ctx.mod_scalars = (mods.window_left, mods.window_right, mods.softcap, mods.dropout_p, mods.max_seqlen_q,
-                       mods.max_seqlen_k)
+                       mods.max_seqlen_k, mods.deterministic)
 
 
 def _eager(*tensors) -> bool:
@@ -378,8 +378,9 @@ def autograd_formula(backward_op, direct):
 
     def formula(ctx, do, dlse):
         q, k, v, o, lse, slopes, bias, sinks, rng, cu_q, cu_k = ctx.saved_tensors
-        left, right, softcap, p, max_q, max_k = ctx.mod_scalars
-        mods = Mods(left, right, softcap, slopes, bias, sinks, p, rng, cu_q, cu_k, max_q, max_k).canonical()
+        left, right, softcap, p, max_q, max_k, deterministic = ctx.mod_scalars
+        mods = Mods(left, right, softcap, slopes, bias, sinks, p, rng, cu_q, cu_k, max_q, max_k,
+                    deterministic).canonical()
         bias_grad = bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
         if do is None:  # only lse was used (grads are not materialised: an unused lse costs no zero-filled tensor)
             do = torch.zeros_like(o)

@@ -90,10 +90,16 @@ class BwdTile:
 @dataclass(frozen=True)
 class BwdConfig:
     dkdv: BwdTile  # a program owns block_n keys and loops over tiles of block_m rows
-    dq: BwdTile  # a program owns block_m rows and loops over tiles of block_n keys
+    dq: BwdTile  # a program owns block_m rows and loops over tiles of block_n keys (unused with atomic_dq)
+    # atomic_dq (only with deterministic=False): the dK/dV kernel also computes each row tile's dS·K and adds it into a
+    # float32 dQ with atomics (FA2's scheme): 5 matmuls instead of 7, no dQ kernel, but the order of the adds, and so
+    # dQ's last bits, changes from run to run. Every variant and varlen works with it. Its cost: a zeroed float32
+    # [B, Sq, Hq, D] scratch, then one scale-and-cast into dq.
+    atomic_dq: bool = False
 
 
 _BWD_INTERPRETER = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1))
+_BWD_INTERPRETER_ATOMIC = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1), atomic_dq=True)
 
 # H200, bf16, keyed by padded head dim. benchmarks/sweep_bwd.py, 2026-11-29, peers' grid at N = 2048 and 8192, each
 # kernel swept with the other held (TFLOP/s of the whole backward, counted as 2.5x the forward's FLOPs):
@@ -118,13 +124,60 @@ _BWD_CUDA = {
 _BWD_FP32_SMALL = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1))
 _BWD_FP32_D256 = BwdConfig(BwdTile(16, 16, 4, 1), BwdTile(16, 16, 4, 1))
 
+# Atomic dQ (deterministic=False), bf16/fp16: candidate dK/dV tiles per padded head dim (the dQ tile is unused).
+# UNMEASURED: benchmarks/sweep_bwd.py --atomic times them against the two-kernel table on the H200.
+# benchmarks/compile_sm90.py --atomic (sm_90a, ptxas of triton 3.6; B = 2, Sq = Sk = 1024, Hq = 8, Hkv = 8 and 2,
+# causal and not) gave the shared memory and registers in the comments, and the spill stores (max over the four).
+# The dQ adds compile to 16-byte vector atomics (atom.global.gpu.relaxed.add.v4.f32). Left out for spilling:
+# d = 256: 32x32 w4 s2 TMA (268-780 B), 32x64 w8 s1 TMA (200-1100 B), 16x64 w8 s1 TMA (144-904 B), 64x64 w8 s1 TMA
+# (412-1680 B), 128x32 w8 s1 TMA (400-1344 B); d = 128: 64x64 w4 s2 (68-524 B), 64x64 w4 s3 TMA (80-536 B),
+# 128x64 w8 s2 (192-616 B), 128x128 w8 s2 (over 227 KiB of shared memory); d = 64: 128x128 w8 s2 (160-464 B),
+# 64x128 w4 s2 (840-1892 B). With 4 warps the float32 dK and dV accumulators leave no room at d >= 128.
+def _atomic(block_m, block_n, warps, stages, tma=False) -> BwdConfig:
+    return BwdConfig(BwdTile(block_m, block_n, warps, stages, tma), BwdTile(64, 32, 4, 2, True), atomic_dq=True)
 
-def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str) -> BwdConfig:
+
+BWD_ATOMIC_CANDIDATES: dict[int, list[BwdConfig]] = {
+    256: [
+        _atomic(64, 32, 8, 2, True),  # 177 KiB, 255 regs, 0-80 B
+        _atomic(64, 32, 8, 1, True),  # 112 KiB, 239-255 regs, 0-4 B
+        _atomic(64, 32, 8, 2),  # pointer loads: 177 KiB, 241-255 regs, 0-4 B
+        _atomic(32, 32, 8, 2, True),  # 80 KiB, 210-240 regs, none
+        _atomic(32, 32, 8, 1, True),  # 48 KiB, 193-217 regs, none
+        _atomic(16, 32, 8, 2, True),  # 64 KiB, 193-216 regs, none
+        _atomic(32, 64, 8, 2),  # pointer loads: 176 KiB, 246-255 regs, 0-200 B (64 keys: half the dQ adds)
+        _atomic(32, 32, 8, 3, True),  # 113 KiB, 211-232 regs, none
+        _atomic(16, 32, 8, 3, True),  # 80 KiB, 194-210 regs, none
+    ],
+    128: [
+        _atomic(64, 64, 8, 2),  # 129 KiB, 220-255 regs, none
+        _atomic(32, 64, 4, 2),  # 88 KiB, 247-255 regs, 0-124 B
+        _atomic(64, 128, 8, 2),  # 160 KiB, 255 regs, 24-116 B (128 keys: half the dQ adds)
+    ],
+    64: [
+        _atomic(64, 64, 4, 3, True),  # 82 KiB, 219-255 regs, none
+        _atomic(64, 128, 8, 3, True),  # 98 KiB, 207-244 regs, none
+        _atomic(32, 128, 4, 3, True),  # the two-kernel table's dK/dV tile: 81 KiB, 255 regs, 8-96 B
+    ],
+}
+# deterministic=False runs these; head dims not listed keep the two-kernel path. PROVISIONAL for d = 256: the largest
+# row tile that does not spill (in three of four cases) until the sweep has chosen; d <= 128 stay deterministic, where
+# the two-kernel path already beats sdpa-flash (NOTES.md, v4), until the sweep says otherwise.
+_BWD_CUDA_ATOMIC: dict[int, BwdConfig] = {256: BWD_ATOMIC_CANDIDATES[256][0]}
+
+
+def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str,
+               deterministic: bool = True) -> BwdConfig:
+    """The backward's tiles. ``deterministic=False`` takes the atomic-dQ table where it has an entry (bf16/fp16 at
+    the head dims listed there; the interpreter always, so CI runs the atomic kernel); elsewhere the deterministic
+    two-kernel config, which is what "not necessarily deterministic" allows."""
     if device_type != "cuda":
-        return _BWD_INTERPRETER
+        return _BWD_INTERPRETER if deterministic else _BWD_INTERPRETER_ATOMIC
     padded = _padded(max(head_dim, head_dim_v))
     if dtype == torch.float32:
         return _BWD_FP32_D256 if padded > 128 else _BWD_FP32_SMALL
+    if not deterministic and padded in _BWD_CUDA_ATOMIC:
+        return _BWD_CUDA_ATOMIC[padded]
     return _BWD_CUDA[padded]
 
 

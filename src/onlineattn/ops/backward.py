@@ -1,4 +1,5 @@
-"""Fused attention backward in Triton (FlashAttention-2's): dQ, dK, dV from q, k, v, o, lse and dO, deterministic.
+"""Fused attention backward in Triton (FlashAttention-2's): dQ, dK, dV from q, k, v, o, lse and dO, deterministic
+by default.
 
 Read top-down: three kernels, then the launcher.
 
@@ -9,7 +10,10 @@ Read top-down: three kernels, then the launcher.
    need no atomics and no per-head copies.
 3. ``attention_bwd_dq_kernel``: a program owns ``BLOCK_M`` packed query rows, as in the forward, and loops over keys.
 
-No atomics anywhere, so results are bitwise reproducible by construction. Rows use the forward's packing: row ``r`` is
+By default no atomics anywhere, so results are bitwise reproducible by construction. With ``deterministic=False`` a
+config with ``atomic_dq`` (``_configs.bwd_config``) drops kernel 3: the dK/dV kernel also computes ``dS K`` for each
+row tile it visits and adds it into a zeroed float32 dQ with ``tl.atomic_add`` (5 matmuls instead of 7; the order of
+the adds varies, so dQ's last bits do), and one scale-and-cast writes dq. Rows use the forward's packing: row ``r`` is
 query ``r // GROUP`` of head ``kv_head · GROUP + r % GROUP``. Scores are in the log2 domain (``qk_scale`` holds
 ``scale · log2 e`` and lse is converted once on load); a row with ``lse = -inf`` saw no key and gets ``P = 0``.
 
@@ -87,6 +91,8 @@ def attention_bwd_dkdv_kernel(
     CU_Q, CU_K, SLOPES, BIAS, SINKS, RNG,
     stride_sb, stride_bb, stride_bh, stride_bi, stride_bj,
     window_left, window_right, softcap_in, softcap_out, dropout_p, batch0,
+    # Atomic dQ (ATOMIC_DQ): the float32 accumulator, shaped as q (None and 0 otherwise).
+    DQA, stride_dqab, stride_dqas, stride_dqah,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -94,7 +100,7 @@ def attention_bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     VARLEN: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     ALIBI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, SINK: tl.constexpr = False,
-    DROPOUT: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, ATOMIC_DQ: tl.constexpr = False,
 ):
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
@@ -113,6 +119,9 @@ def attention_bwd_dkdv_kernel(
         V += k_start.to(tl.int64) * stride_vs
         DK += k_start.to(tl.int64) * stride_dks
         DV += k_start.to(tl.int64) * stride_dvs
+        if ATOMIC_DQ:
+            DQA += q_start.to(tl.int64) * stride_dqas
+    dqargs = (DQA, stride_dqab, stride_dqas, stride_dqah)
     vargs = (SLOPES, BIAS, RNG, stride_sb, stride_bb, stride_bh, stride_bi, stride_bj, heads_kv * GROUP,
              window_left, window_right, softcap_in, softcap_out, dropout_p, batch0)
     start_n = pid_n * BLOCK_N
@@ -150,14 +159,14 @@ def attention_bwd_dkdv_kernel(
             Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
             stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
             seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, True,
-            CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+            CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT, dqargs, ATOMIC_DQ,
         )
     for start_m in range(full_lo, full_hi, BLOCK_M):
         b_dk, b_dv = _dkdv_tile(
             Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
             stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
             seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, False,
-            CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+            CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT, dqargs, ATOMIC_DQ,
         )
     if WINDOW:
         for start_m in range(full_hi, hi, BLOCK_M):
@@ -165,7 +174,7 @@ def attention_bwd_dkdv_kernel(
                 Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
                 seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, True,
-                CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+                CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT, dqargs, ATOMIC_DQ,
             )
 
     p_dk = DK + off_b * stride_dkb + off_hkv * stride_dkh + o_n[:, None] * stride_dks + o_d[None, :]
@@ -182,9 +191,11 @@ def _dkdv_tile(
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    dqargs, ATOMIC_DQ: tl.constexpr,
 ):
     """One tile of packed query rows ``[start_m, start_m + BLOCK_M)`` against the program's keys: adds ``Pᵀ dO`` to dV
-    and ``dSᵀ Q`` to dK. The tile is transposed (keys × rows), so the variants see ``i`` along the columns."""
+    and ``dSᵀ Q`` to dK, and with ``ATOMIC_DQ`` ``dS K`` to the rows' float32 dQ. The tile is transposed (keys ×
+    rows), so the variants see ``i`` along the columns."""
     o_i, o_h, m_r = packed_rows(start_m, off_hkv, seqlen_q, BLOCK_M, GROUP)
     if USE_TMA:  # [B, Sq, Hq, D] descriptors with boxes [1, BLOCK_M / GROUP, GROUP, D]: the packed rows in order
         b_q = Q.load([pid_b, start_m // GROUP, off_hkv * GROUP, 0]).reshape(BLOCK_M, BLOCK_D)
@@ -216,6 +227,11 @@ def _dkdv_tile(
     if SOFTCAP:
         b_dst = b_dst * (1.0 - th * th)
     b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=INPUT_PRECISION)
+    if ATOMIC_DQ:  # rows past the end (and their zero dS) are masked; keys past the end are zero rows of K
+        DQA, stride_dqab, stride_dqas, stride_dqah = dqargs
+        b_dq = tl.dot(tl.trans(b_dst.to(b_k.dtype)), b_k, input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_D]
+        p_dqa = DQA + off_b * stride_dqab + o_i[:, None] * stride_dqas + o_h[:, None] * stride_dqah + o_d[None, :]
+        tl.atomic_add(p_dqa, b_dq, mask=m_r[:, None] & m_d[None, :], sem="relaxed", scope="gpu")
     return b_dk, b_dv
 
 
@@ -357,7 +373,8 @@ def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out=
 
     ``out`` is an optional ``(dq, dk, dv)`` of buffers of those shapes, last dim contiguous, in any float dtype the
     kernels store to: ring attention passes float32 buffers so each block's gradients are summed before rounding.
-    ``config`` (a ``BwdConfig``) overrides the table, for the tile sweep."""
+    ``config`` (a ``BwdConfig``) overrides the table, for the tile sweep; an ``atomic_dq`` one runs the atomic
+    scheme."""
     return gradients(do, q, k, v, o, lse, scale, causal, dlse, out=out, config=config)[:3]
 
 
@@ -366,9 +383,12 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     """``(dq, dk, dv, dbias, dsinks)``: ``backward``'s gradients with the score variants of ``mods``; ``dbias`` (in
     attn_bias's shape and dtype, from the separate kernel of ``bias_grad.py``) only with ``bias_grad``, ``dsinks``
     (``[Hq]``, ``-Σ_rows exp(sink − lse) · delta``) only with sinks; None otherwise. With varlen ``mods`` every
-    tensor is packed: q ``[total_q, Hq, D]``, k ``[total_k, Hkv, D]``, lse ``[Hq, total_q]``."""
+    tensor is packed: q ``[total_q, Hq, D]``, k ``[total_k, Hkv, D]``, lse ``[Hq, total_q]``. ``mods.deterministic
+    = False`` takes the atomic-dQ config where the table has one."""
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32; q has dtype {q.dtype}")
+    deterministic = mods.deterministic
+    mods = mods.for_kernels()
     q, k, v, o, do = (_last_dim_contiguous(x) for x in (q, k, v, o, do))
     lse = lse.contiguous()
     dq, dk, dv = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)) if out is None else out
@@ -386,14 +406,17 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
         delta = (do.float() * o.float()).sum(-1).transpose(1, 2) - (0 if dlse is None else dlse)
     else:
         delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-        cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type)
+        cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, deterministic)
         group = hq // hkv
         # Packed query rows come through the copy engine when a row tile holds whole groups in order (boxes must be
         # powers of two); K and V in the dQ kernel whenever the strides allow. Not for packed sequences, whose
         # bounds a descriptor over the whole pack cannot know.
         tma_rows = (cfg.dkdv.tma and group & (group - 1) == 0 and cfg.dkdv.block_m % group == 0 and _tma_ok(q, do)
                     and not mods.varlen)
-        tma_keys = cfg.dq.tma and _tma_ok(k, v) and not mods.varlen
+        tma_keys = cfg.dq.tma and not cfg.atomic_dq and _tma_ok(k, v) and not mods.varlen
+        dq_out = dq
+        if cfg.atomic_dq:  # the launches add into a zeroed float32 dQ, scaled and cast once below
+            dq = torch.zeros(dq.shape, dtype=torch.float32, device=q.device)
         # Every tensor is also read through pointers by one kernel or another, so all must fit int32 offsets.
         if mods.varlen:
             lq, lk = slice(0, mods.max_seqlen_q), slice(0, mods.max_seqlen_k)
@@ -412,6 +435,8 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
                 _preprocess(o[rows], do[rows], lse[rows], None if dlse is None else dlse[rows], delta[rows])
                 _launch(do[rows], q[rows], k[rows], v[rows], lse[rows], delta[rows], dq[rows], dk[rows], dv[rows],
                         scale, causal, cfg, tma_rows, tma_keys, mods.batch_slice(rows))
+        if cfg.atomic_dq:
+            dq = torch.mul(dq, scale, out=dq_out)  # rounds once, as the dQ kernel's store of (dq · scale)
         if bias_grad:
             dbias = bias_grad_kernel.bias_gradient(q, k, v, do, lse, delta, scale, causal, mods)
     if bias_grad and dbias is None:
@@ -444,9 +469,13 @@ def _preprocess(o, do, lse, dlse, delta) -> None:
     )
 
 
+_NO_ATOMIC_DQ = dict(DQA=None, stride_dqab=0, stride_dqas=0, stride_dqah=0)
+
+
 def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys, mods: Mods = PLAIN) -> None:
     """The dK/dV and dQ kernels over q ``[B, Sq, Hq, D]`` (with varlen ``mods``: packed ``[1, total, H, D]`` views,
-    one program column per sequence and kv head)."""
+    one program column per sequence and kv head); with ``cfg.atomic_dq`` the dK/dV kernel alone, adding into
+    ``dq``, a zeroed float32 accumulator."""
     b, sq, hq, d = q.shape
     sk, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
@@ -475,12 +504,18 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     if tma_rows:
         q_arg = _descriptor(q, t.block_m // group, group, block_d)
         do_arg = _descriptor(do, t.block_m // group, group, block_dv)
+    atomic = _NO_ATOMIC_DQ
+    if cfg.atomic_dq:  # dq is the float32 accumulator here (gradients() scales and casts it once, at the end)
+        atomic = dict(DQA=dq, stride_dqab=0 if mods.varlen else dq.stride(0), stride_dqas=dq.stride(1),
+                      stride_dqah=dq.stride(2), ATOMIC_DQ=True)
     launch(
         attention_bwd_dkdv_kernel, (cdiv(sk, t.block_n), b * hkv),
         q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
-        **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, num_warps=t.num_warps,
+        **atomic, **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
+    if cfg.atomic_dq:
+        return
     t = cfg.dq
     k_arg, v_arg = k, v
     if tma_keys:

@@ -211,6 +211,7 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
     """
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32; q has dtype {q.dtype}")
+    mods = mods.for_kernels()  # deterministic=False concerns the backward only
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     hq, hkv, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     rows = q.shape[:-2]  # (B, Sq), or (total_q,) packed
