@@ -42,6 +42,7 @@ class Case:
     variant: str = ""  # "", window, softcap, alibi, bias, sinks, dropout, varlen, dlse
     device_type: str = "cuda"  # the config tables: cuda (descriptors where allowed) or cpu (interpreter tiles)
     num_splits: int = 1  # decode
+    deterministic: bool = True  # False: the atomic-dQ backward where the table has it (d=256 bf16/fp16, interpreter)
 
 
 CASES = [
@@ -67,6 +68,9 @@ CASES = [
     Case(variant="varlen", causal=True, offset=1),
     Case(variant="bias", causal=True, d=128, dtype=torch.bfloat16),
     Case(num_splits=4),
+    Case(d=256, hq=2, hkv=2, dtype=torch.bfloat16, causal=True, deterministic=False),
+    Case(d=256, hq=4, hkv=2, offset=1, deterministic=False, variant="varlen"),
+    Case(device_type="cpu", deterministic=False),
     Case(num_splits=3, causal=True, offset=1, d=128, dtype=torch.bfloat16),
 ]
 
@@ -119,7 +123,7 @@ def call_case(case: Case, device="cpu") -> list:
     dlse = None
     if case.variant == "dlse":
         dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5)).to(device)
-    bcfg = bwd_config(case.d, dv, case.dtype, case.device_type)
+    bcfg = bwd_config(case.d, dv, case.dtype, case.device_type, deterministic=case.deterministic)
     outputs = [o, lse, *backward.gradients(do, q, k, v, o, lse, scale, case.causal, dlse, config=bcfg, mods=mods)]
     if mods is PLAIN:
         dcfg = decode_config(case.d, dv, case.dtype, case.device_type, batch_heads=b * case.hkv,

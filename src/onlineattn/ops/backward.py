@@ -469,7 +469,7 @@ def _preprocess(o, do, lse, dlse, delta) -> None:
     )
 
 
-_NO_ATOMIC_DQ = dict(DQA=None, stride_dqab=0, stride_dqas=0, stride_dqah=0)
+_NO_ATOMIC_DQ = dict(DQA=None, stride_dqab=0, stride_dqas=0, stride_dqah=0, ATOMIC_DQ=False)
 
 
 def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys, mods: Mods = PLAIN) -> None:
