@@ -14,6 +14,10 @@
 On one GPU (world 1, nothing travels) use ``--nproc-per-node 1 --seqlen 262144``: the default 1M tokens take ~10 s
 per forward there. Near the 10-minute limit, ``--reps 1 --warmup 0 --overlap-only`` cut the run to one pass each.
 
+With ``--warmup 0`` the first timed pass (the overlapped one) is also the first use of its buffers: at 2M tokens on two
+GPUs it ran 12% slower than the serialised pass after it, where with a warmup the two were equal at 1M (rows of
+a52d225). Rows record ``warmup`` and ``reps`` so such rows can be told apart.
+
 Smoke test on CPU with gloo: ``torchrun --standalone --nproc-per-node 2 benchmarks/ring_run.py --device cpu
 --dtype float32 --check-seqlen 32 --seqlen 256 --heads 4 --head-dim 16 --reps 1 --no-write``.
 """
@@ -175,6 +179,7 @@ def scale(args, device, dtype, env: dict) -> list[dict]:
                 "Hkv": h, "Sq": s, "Sk": s, "d": d, "causal": True, "ms": round(ms, 4),
                 "tflops": round(flops / ms / 1e9, 2), "world": world, "layout": layout, "overlap": overlap,
                 "ms_per_step": round(ms / world, 4), "comm_ms": round(comm[mode], 4),
+                "warmup": args.warmup, "reps": args.reps,
             })
     return rows
 

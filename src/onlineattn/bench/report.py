@@ -37,8 +37,9 @@ def load(path: Path) -> list[dict]:
 
 
 def _shape(row: dict) -> tuple:
+    """What a row measured, apart from the provider: ring rows also differ by world size and overlap."""
     return (row.get("mode"), row["B"], row["Hq"], row["Hkv"], row["Sq"], row["Sk"], row["d"], row["causal"],
-            row["dtype"])
+            row["dtype"], row.get("world"), row.get("overlap"))
 
 
 def latest(rows: list[dict], op: str, commit: str | None = None) -> tuple[str | None, list[dict]]:
