@@ -5,6 +5,7 @@ launch runs all of Triton's Python (binder, specialisation, cache lookup, launch
 the C launch. Kernels compile for sm_90 with Triton's ptxas (cached on disk after the first run).
 
     python benchmarks/probe_launch.py time            # host µs per forward / backward call, cache off vs on
+    python benchmarks/probe_launch.py decode          # host µs of one attention_with_kvcache call (API and op)
     python benchmarks/probe_launch.py check [i ...]   # every cached launch is the kernel run() would pick
     python benchmarks/probe_launch.py gpu [i ...]     # on the GPU: outputs bitwise equal with the cache off / on
 
@@ -94,6 +95,35 @@ def time_calls(reps: str = "1000") -> None:
                   flush=True)
 
 
+def time_decode(reps: str = "3000") -> None:
+    """Host time of one decoding step, B = 1, L = 4k, Hq 32, Hkv 8, d 128, bf16 (the bench's smallest point): the
+    public call (checks included, ``check_indices=False`` as the bench's ``onlineattn`` provider) and the launcher
+    alone. CPU tensors stand in for CUDA ones; the API is told the backend is Triton."""
+    from onlineattn import api
+    from onlineattn.ops import decode
+
+    reps = int(reps)
+    api._resolve_backend = lambda backend, **tensors: "triton"
+    q = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 4096, 8, 128, dtype=torch.bfloat16) for _ in range(2))
+    lens = torch.full((1,), 4096, dtype=torch.int32)
+    calls = {
+        "attention_with_kvcache": lambda: api.attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=False,
+                                                                     check_indices=False),
+        "ops.decode launcher": lambda: decode.attention_with_kvcache(q, k, v, None, None, lens, None, 0.1, False, 0),
+    }
+    for name, fn in calls.items():
+        for _ in range(200):
+            fn()
+        best = float("inf")
+        for _ in range(5):
+            t = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            best = min(best, (time.perf_counter() - t) / reps * 1e6)
+        print(f"{name}: {best:.1f} us (min of 5 x {reps})", flush=True)
+
+
 def gpu(*indices: str) -> None:
     """On a CUDA machine (real launches): each case with the cache off, then twice with it on (a miss, then a hit);
     the outputs must be bitwise equal, and every launch the kernel run() picks (as in ``check``)."""
@@ -167,6 +197,6 @@ if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "time"
     if not torch.cuda.is_available():
         triton.runtime.driver.set_active(Sm90NoLaunch())
-    elif mode == "time":
+    elif mode in ("time", "decode"):
         raise SystemExit("time stubs the launches: run it where CUDA is absent (on the GPU: probe_host.py)")
-    {"time": time_calls, "check": check, "gpu": gpu}[mode](*sys.argv[2:])
+    {"time": time_calls, "decode": time_decode, "check": check, "gpu": gpu}[mode](*sys.argv[2:])

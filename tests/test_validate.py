@@ -330,7 +330,7 @@ def test_kvcache_valid_arguments_pass():
         assert _kvcall(_kv(paged=paged), backend="torch")().shape == (2, 1, 4, 8)
 
 
-@pytest.mark.parametrize(
+KV_BAD = pytest.mark.parametrize(
     "arg,value,exc,shown",
     [
         ("q", torch.randn(2, 4, 8), ValueError, [4, 3]),
@@ -363,8 +363,49 @@ def test_kvcache_valid_arguments_pass():
     ],
     ids=lambda x: x if isinstance(x, str) else None,
 )
+
+
+@KV_BAD
 def test_kvcache_bad_argument(arg, value, exc, shown):
     _raises(exc, arg, _kvcall(_kv(), **{arg: value}), *shown)
+
+
+@KV_BAD
+def test_kvcache_bad_argument_after_a_passing_call(arg, value, exc, shown):
+    """check_kvcache remembers the metadata of calls that passed; a bad call right after a good one is still
+    refused with the same error."""
+    t = _kv()
+    _kvcall(t)()
+    _kvcall(t)()
+    _raises(exc, arg, _kvcall(t, **{arg: value}), *shown)
+
+
+def test_kvcache_checks_run_once_per_metadata(monkeypatch):
+    """A repeated call (same shapes, strides, dtypes, devices, int length) skips the checks; new metadata, a new int
+    length or a tensor subclass runs them."""
+    calls = []
+    full = V._check_kvcache
+    monkeypatch.setattr(V, "_check_kvcache", lambda *a: calls.append(1) or full(*a))
+    monkeypatch.setattr(V, "_CHECKED_KVCACHE", {})
+    t = _kv(new=0)
+    for _ in range(3):
+        _kvcall(t)()
+    assert len(calls) == 1
+    _kvcall(t, q=torch.randn(2, 1, 4, 8, dtype=torch.float64), k_cache=t["k_cache"].double(),
+            v_cache=t["v_cache"].double())()
+    assert len(calls) == 2
+    _kvcall(t, cache_seqlens=5)()
+    _kvcall(t, cache_seqlens=5)()
+    _kvcall(t, cache_seqlens=6)()
+    assert len(calls) == 4
+
+    class Sub(torch.Tensor):
+        pass
+
+    sub = t["q"].as_subclass(Sub)
+    for _ in range(2):
+        _kvcall(t, q=sub)()
+    assert len(calls) == 6
 
 
 @pytest.mark.parametrize(

@@ -286,9 +286,40 @@ def _same_device(**tensors) -> None:
         raise ValueError(f"all tensors must be on one device, got {shown}")
 
 
+_CHECKED_KVCACHE: dict = {}  # metadata of a passing call -> its CacheDims
+_MAX_CHECKED = 256  # a decoding process sees few shapes; past this the table starts over
+
+
+def _tensor_meta(x):
+    """What the checks read of a tensor argument (``()`` for None); None for anything else, which is checked."""
+    if x is None:
+        return ()
+    if type(x) is not torch.Tensor:  # subclasses and other types take the full checks, every call
+        return None
+    return x.shape, x.stride(), x.dtype, x.device
+
+
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> CacheDims:
     """Check the tensors of ``attention_with_kvcache`` (shapes, dtypes, devices; an int ``cache_seqlens`` against the
-    capacity) and return their sizes. Tensor-valued lengths and page ids are checked by ``check_kvcache_indices``."""
+    capacity) and return their sizes. Tensor-valued lengths and page ids are checked by ``check_kvcache_indices``.
+
+    The checks read only metadata, so a call whose metadata (shapes, strides, dtypes, devices, an int length) equals
+    that of a call that passed returns the same sizes without repeating them: one decoding step after another costs
+    a dictionary lookup (~1 µs) instead of the checks (~7 µs on the CPU machine)."""
+    metas = tuple(_tensor_meta(x) for x in (q, k_cache, v_cache, k, v, block_table))
+    seqlens = cache_seqlens if type(cache_seqlens) is int else _tensor_meta(cache_seqlens)
+    key = None if None in metas or seqlens is None else (metas, seqlens)
+    dims = _CHECKED_KVCACHE.get(key) if key is not None else None
+    if dims is None:
+        dims = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+        if key is not None:
+            if len(_CHECKED_KVCACHE) >= _MAX_CHECKED:
+                _CHECKED_KVCACHE.clear()
+            _CHECKED_KVCACHE[key] = dims
+    return dims
+
+
+def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> CacheDims:
     for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, x, ndim=4)
     if not (q.dtype == k_cache.dtype == v_cache.dtype):

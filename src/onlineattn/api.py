@@ -356,15 +356,15 @@ def attention_with_kvcache(
     max_seqlen_k = V.check_kvcache_indices(cache_seqlens, block_table, dims) if check_indices else None
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((dims.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
-    with torch.no_grad():
-        if backend == "triton":
-            from .ops import decode
+    if backend == "triton":  # the kernel's outputs come from torch.empty: no graph to keep out
+        from .ops import decode
 
-            o, lse = decode.attention_with_kvcache(
-                q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, num_splits,
-                max_seqlen_k=max_seqlen_k, return_lse=return_lse,
-            )
-        else:
+        o, lse = decode.attention_with_kvcache(
+            q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, num_splits,
+            max_seqlen_k=max_seqlen_k, return_lse=return_lse,
+        )
+    else:
+        with torch.no_grad():
             o, lse = torch_impl.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
                                                        causal)
     return (o, lse) if return_lse else o
