@@ -98,12 +98,15 @@ def time_calls(reps: str = "1000") -> None:
 def time_decode(reps: str = "3000") -> None:
     """Host time of one decoding step, B = 1, L = 4k, Hq 32, Hkv 8, d 128, bf16 (the bench's smallest point): the
     public call (checks included, ``check_indices=False`` as the bench's ``onlineattn`` provider) and the launcher
-    alone. CPU tensors stand in for CUDA ones; the API is told the backend is Triton."""
+    alone. CPU tensors stand in for CUDA ones; the API is told the backend is Triton, and the launcher takes the
+    H200's tile table and SM count (so the split count, the workspace and its stream lookup are the GPU's)."""
     from onlineattn import api
-    from onlineattn.ops import decode
+    from onlineattn.ops import _configs, decode
 
     reps = int(reps)
     api._resolve_backend = lambda backend, **tensors: "triton"
+    decode.decode_config = lambda d, dv, dtype, device_type, **kw: _configs.decode_config(d, dv, dtype, "cuda", **kw)
+    decode._sm_count = lambda device: 132
     q = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 4096, 8, 128, dtype=torch.bfloat16) for _ in range(2))
     lens = torch.full((1,), 4096, dtype=torch.int32)

@@ -408,6 +408,13 @@ def test_kvcache_checks_run_once_per_metadata(monkeypatch):
     assert len(calls) == 6
 
 
+def test_kvcache_sparse_lengths_get_the_checks_error():
+    """Sparse tensors (CSR ones raise on stride()) are left to the checks, which name the argument."""
+    t = _kv()
+    sparse = torch.tensor([[3, 3]], dtype=torch.int32).to_sparse()
+    _raises(ValueError, "cache_seqlens", _kvcall(t, cache_seqlens=sparse), (2,))
+
+
 @pytest.mark.parametrize(
     "arg,value,exc,shown",
     [

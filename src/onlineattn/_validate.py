@@ -294,7 +294,7 @@ def _tensor_meta(x):
     """What the checks read of a tensor argument (``()`` for None); None for anything else, which is checked."""
     if x is None:
         return ()
-    if type(x) is not torch.Tensor:  # subclasses and other types take the full checks, every call
+    if type(x) is not torch.Tensor or x.layout is not torch.strided:  # subclasses, sparse, other types: checked
         return None
     return x.shape, x.stride(), x.dtype, x.device
 

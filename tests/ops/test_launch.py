@@ -271,6 +271,12 @@ class _Compiled:
 
 
 class _Driver:
+    def __init__(self, backend="cuda"):
+        self.backend = backend
+
+    def get_current_target(self):
+        return GPUTarget(self.backend, 90 if self.backend == "cuda" else "gfx942", 32 if self.backend == "cuda" else 64)
+
     def get_current_device(self):
         return 0
 
@@ -294,6 +300,7 @@ def fake_run(monkeypatch, recorded):
     monkeypatch.setattr(jit, "run", run)
     monkeypatch.setattr(triton.runtime.driver, "_active", _Driver())
     monkeypatch.setattr(_launch, "enabled", True)
+    monkeypatch.setattr(_launch, "_CUDA_TARGET", {})
     return jit, grid, args, kwargs, runs, compiled
 
 
@@ -313,10 +320,15 @@ def test_launch_hits_after_one_run(fake_run):
     assert len(runs) == 2
 
 
-@pytest.mark.parametrize("unusual", ["hook", "disabled", "default_left_out", "odd_type", "callable_grid"])
+@pytest.mark.parametrize("unusual", ["hook", "disabled", "default_left_out", "odd_type", "callable_grid",
+                                     "unhashable_option", "hip_target"])
 def test_unusual_calls_take_run(fake_run, monkeypatch, unusual):
     jit, grid, args, kwargs, runs, compiled = fake_run
-    if unusual == "hook":
+    if unusual == "unhashable_option":
+        kwargs = {**kwargs, "num_warps": [kwargs["num_warps"]]}
+    elif unusual == "hip_target":  # ROCm also specialises on storage size, which the key does not hold
+        monkeypatch.setattr(triton.runtime.driver, "_active", _Driver("hip"))
+    elif unusual == "hook":
         monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [print])
     elif unusual == "disabled":
         monkeypatch.setattr(_launch, "enabled", False)

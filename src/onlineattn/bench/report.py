@@ -234,9 +234,10 @@ def markdown(rows: list[dict], memory_rows: list[dict], images: dict, memory_sou
                       ("ring_bwd", "Ring attention, backward")):
         commit, now = latest(rows, op)
         if now:
-            extra = [k for k in now[0] if k not in ("date", "commit", "gpu", "torch", "triton", "op", "provider")]
+            skip = ("date", "commit", "gpu", "torch", "triton", "op", "provider")
+            extra = list(dict.fromkeys(k for r in now for k in r if k not in skip))  # every row's fields, in order
             text += [f"## {title}", "", _provenance(now[0], commit) + ".", ""]
-            text += _table(extra, [[r[k] for k in extra] for r in now]) + [""]
+            text += _table(extra, [[r.get(k, "") for k in extra] for r in now]) + [""]
     return "\n".join(text)
 
 

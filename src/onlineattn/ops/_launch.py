@@ -18,7 +18,8 @@ strides), so a new shape costs one ordinary call.
 
 Everything unusual takes the ordinary path, every call: the interpreter (``TRITON_INTERPRET=1`` makes kernels
 ``InterpretedFunction``), a launch hook or pre-run hook installed, a parameter left to its default, an argument of a
-type outside the list above, a callable grid.
+type outside the list above, an unhashable option, a callable grid, a non-CUDA target (ROCm specialises tensors on
+their storage size as well) and a Triton other than 3.6 (the hit path uses its launcher's calling convention).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import os
 from operator import itemgetter
 
 import torch
+import triton
 from triton import knobs
 from triton.knobs import HookChain
 from triton.runtime.driver import driver
@@ -37,8 +39,11 @@ _VALUE_TYPES = frozenset({int, float, bool, str, type(None)})  # hashable and ke
 # Exact types only: another tensor or descriptor subclass may specialise differently, so it takes run().
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
 _KEYED_TYPES = _VALUE_TYPES | _TENSOR_TYPES | {TensorDescriptor}
-# ONLINEATTN_LAUNCH_CACHE=0 turns the cache off (every launch through run()), for A/B timing and as an escape hatch.
-enabled = os.environ.get("ONLINEATTN_LAUNCH_CACHE", "1") != "0"
+# ONLINEATTN_LAUNCH_CACHE=0 (or false/off/no) turns the cache off (every launch through run()), for A/B timing and
+# as an escape hatch. The hit path calls CompiledKernel.run with Triton 3.6's private argument order, so any other
+# Triton version takes run() every call.
+enabled = (os.environ.get("ONLINEATTN_LAUNCH_CACHE", "1").strip().lower() not in ("0", "false", "off", "no")
+           and triton.__version__.startswith("3.6."))
 MAX_ENTRIES = 1024  # per kernel: shapes enter the key, so a stream of new shapes (varlen batches) must not grow it
 
 
@@ -70,7 +75,7 @@ class _Kernel:
         binder = self.binders.get((n_args, names), False)
         if binder is False:
             rest = self.param_names[n_args:]
-            options = tuple(sorted(set(names) - set(rest)))
+            options = tuple(name for name in names if name not in rest)  # call order, as Triton's key has them
             # every parameter passed (no defaults to fill in), options apart: anything else is left to run()
             ok = set(rest) <= set(names) and not set(options) & set(self.param_names)
             binder = (_getter(list(rest)), _getter(list(options)), options) if ok else None
@@ -138,8 +143,13 @@ def launch(kernel, grid, *args, **kwargs):
         return kernel[grid](*args, **kwargs)
     state, values, key = bound
     device = driver.active.get_current_device()
+    if not _cuda_target(device):
+        return kernel[grid](*args, **kwargs)
     key = (key, device, rt.debug, knobs.compilation.instrumentation_mode)
-    compiled = state.entries.get(key)
+    try:
+        compiled = state.entries.get(key)
+    except TypeError:  # an unhashable option value: run() decides what it means
+        return kernel[grid](*args, **kwargs)
     if compiled is None:
         compiled = kernel[grid](*args, **kwargs)
         if compiled is not None:  # None: a jit_cache_hook skipped the compile
@@ -158,6 +168,16 @@ def launch(kernel, grid, *args, **kwargs):
 
 
 _MISSING = object()
+_CUDA_TARGET: dict = {}  # device -> whether its backend is "cuda"
+
+
+def _cuda_target(device) -> bool:
+    """Only CUDA targets use the cache: on ROCm, Triton also specialises each tensor on whether its storage fits
+    2 GiB (buffer ops), which this key does not record."""
+    ok = _CUDA_TARGET.get(device)
+    if ok is None:
+        ok = _CUDA_TARGET[device] = driver.active.get_current_target().backend == "cuda"
+    return ok
 
 
 # Grid and block arithmetic for the launchers. triton.cdiv and triton.next_power_of_2 are constexpr functions in

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._common import page_and_slot
+from ._launch import next_power_of_2
 from .forward import check_int32_offsets
 
 
@@ -67,7 +68,7 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None) -> None:
         block_table.stride(0) if paged else 0,
         new, hkv,
         HEAD_DIM=d, HEAD_DIM_V=dv,
-        BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv),
+        BLOCK_H=next_power_of_2(hkv), BLOCK_D=next_power_of_2(d), BLOCK_DV=next_power_of_2(dv),
         PAGE_SIZE=k_cache.shape[1] if paged else 0,
         num_warps=4,
     )
