@@ -1,6 +1,7 @@
 """Sweep forward tile configs on the GPU; print TFLOP/s per (shape, config) and write JSON to --json.
 
 Usage (on the GPU machine): PYTHONPATH=src python3 benchmarks/sweep_fwd.py --json $OUT/sweep.json
+Long sequences (one 512k-token call takes seconds): --batch 1 --heads 16 --d 128 --n 131072 524288 --causal 1
 The winners go into src/onlineattn/ops/_configs.py with the measured reason.
 """
 
@@ -66,6 +67,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=1, help="round-robin passes over the configs; the median is kept")
     ap.add_argument("--heads-per-group", type=int, nargs="*", default=[1],
                     help="longest-first grouping of (batch, kv head) columns to try with each tile")
+    ap.add_argument("--batch", type=int, default=None,
+                    help="batch size (default: the peers' grid, 16384 // N; give 1 for N > 16384)")
+    ap.add_argument("--heads", type=int, default=None, help="heads (default: the peers' grid, 2048 // d)")
     ap.add_argument("--tiles", default=None,
                     help="only these tiles, e.g. '64x64w4s3t1,128x128w8s3t1' (block_m x block_n, warps, stages, tma)")
     args = ap.parse_args()
@@ -74,7 +78,9 @@ def main():
     for d in args.d:
         for causal in map(bool, args.causal):
             for n in args.n:
-                case = Case(16384 // n, 2048 // d, n, d, causal)
+                case = Case(args.batch or 16384 // n, args.heads or 2048 // d, n, d, causal)
+                if case.b < 1:
+                    raise SystemExit(f"N = {n} is past the peers' grid (B = 16384 // N = 0): pass --batch")
                 q, k, v = (torch.randn(case.b, n, case.h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
                 tiles = _parse_tiles(args.tiles) if args.tiles else CANDIDATES["d256" if d > 128 else "small_d"]
                 configs = [replace(t, heads_per_group=g) for t in tiles for g in args.heads_per_group]
