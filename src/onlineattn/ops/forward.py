@@ -342,12 +342,13 @@ attention_fwd.register_autograd(autograd_formula(_backward_op, _backward_direct)
 def attention(q, k, v, scale: float, causal: bool, mods: Mods = PLAIN):
     """Fused attention on the Triton path: ``(o, lse)``, differentiable.
 
-    Through the custom op when autograd or torch.compile needs it; otherwise the launcher is called directly, which
-    saves the dispatcher's Python overhead (tens of microseconds, as long as a whole small-shape kernel).
+    Through the custom op when autograd, torch.compile or a functorch transform (vmap: its tensors have no storage
+    to launch on) needs it; otherwise the launcher is called directly, which saves the dispatcher's Python overhead
+    (tens of microseconds, as long as a whole small-shape kernel).
     """
     tensors = (q, k, v, mods.attn_bias, mods.sinks)
     needs_graph = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
-    if needs_graph or torch.compiler.is_compiling():
+    if needs_graph or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         if mods is PLAIN:
             return attention_fwd(q, k, v, scale, causal)
         return attention_fwd(q, k, v, scale, causal, *mods.op_args())
