@@ -280,13 +280,13 @@ def test_split_heuristic():
 
 
 def test_decode_tiles():
-    """Grids split to fill the SMs take 128-key blocks over short caches and 3 stages over long ones; full grids
-    64-key, 4-warp, 2-stage tiles."""
+    """Grids of at most one program per SM (after the automatic split) take 3 stages; fuller grids 64-key, 4-warp,
+    2-stage tiles."""
     pick = lambda bh, length: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=bh, max_seqlen_k=length,
                                               num_sms=132)
-    assert pick(8, 4096) == C.DecodeConfig(128, 64, 4, 2)
-    assert pick(8, 32768) == pick(8, 0) == C.DecodeConfig(64, 64, 4, 3)
-    for bh, length in ((128, 4096), (512, 131072)):
+    for bh, length in ((8, 4096), (8, 32768), (8, 0), (128, 4096), (128, 0)):  # B = 1 splits 16 ways; 128 x 1
+        assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 3)
+    for bh, length in ((128, 32768), (512, 4096), (512, 131072), (256, 4096)):
         assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 2)
     assert C.decode_config(128, 128, torch.float32, "cuda", batch_heads=8, max_seqlen_k=4096, num_sms=132).block_n == 32
 
