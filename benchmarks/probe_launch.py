@@ -12,8 +12,8 @@ the C launch. Kernels compile for sm_90 with Triton's ptxas (cached on disk afte
 ``check`` runs on the GPU machine too, with the real driver and CUDA tensors. The case indices are those of
 tests/ops/test_launch.py's ``CASES``.
 
-``check`` wraps ``launch``: after each call it asks Triton's own ``run(..., warmup=True)`` for the kernel of the same
-arguments and requires the very object the cached path launched.
+``check`` wraps ``launch`` and ``Relaunch`` (decode's repeats): after each call it asks Triton's own
+``run(..., warmup=True)`` for the kernel of the same arguments and requires the very object the cached path launched.
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def gpu(*indices: str) -> None:
 def check(*indices: str) -> None:
     """Forward, backward and decode over the cases of tests/ops/test_launch.py (those at ``indices``, else all; each
     distinct specialisation compiles once, seconds each), every call twice: a miss, then a hit."""
-    from onlineattn.ops import _launch, backward, decode, forward
+    from onlineattn.ops import _launch, backward, forward
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine: real launches, real driver
     launched = []
@@ -169,8 +169,20 @@ def check(*indices: str) -> None:
             print(f"MISMATCH {kernel.fn.__name__}", flush=True)
         return compiled
 
-    for module in (forward, backward, decode):
+    for module in (forward, backward, _launch):  # decode launches through _launch.prepare, which calls launch
         module.launch = checked
+    relaunch = _launch.Relaunch.__call__
+
+    def checked_relaunch(self, grid, tensors):  # decode's repeats: the kernel run() would pick for the same call
+        done = relaunch(self, grid, tensors)
+        if done:
+            expected = self.kernel.run(*tensors, *self.rest, grid=grid, warmup=True, **self.options)
+            launched.append(self.compiled is expected)
+            if self.compiled is not expected:
+                print(f"MISMATCH relaunch {self.kernel.fn.__name__}", flush=True)
+        return done
+
+    _launch.Relaunch.__call__ = checked_relaunch
     misses = []  # launches that went through run() (warmup=False): the rest were cache hits
     run = triton.runtime.jit.JITFunction.run
 

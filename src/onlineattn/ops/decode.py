@@ -36,7 +36,7 @@ from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
                       page_and_slot, row_tile)
 from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_num_splits
-from ._launch import launch, next_power_of_2
+from ._launch import next_power_of_2, prepare
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
 
 
@@ -293,24 +293,55 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     longest = max_seqlen_k
     if longest is None:  # the capacity bounds every length without reading them
         longest = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-    sms = _sm_count(device)
-    cfg = config or decode_config(q.shape[3], dv, q.dtype, device.type, batch_heads=b * hkv, max_seqlen_k=longest,
+    new = 0 if k is None else k.shape[1]
+    key = (q.shape, q.stride(), q.dtype, device, k_cache.shape, k_cache.stride(), k_cache.dtype, v_cache.shape,
+           v_cache.stride(), None if block_table is None else (block_table.shape, block_table.stride()), new, causal,
+           longest, num_splits, scale, lse is not None, config)
+    step = _STEPS.get(key)
+    if step is None:
+        if len(_STEPS) >= _MAX_PLANS:
+            _STEPS.clear()
+        step = _STEPS[key] = _make_step(q, k_cache, v_cache, block_table, causal, longest, num_splits, config)
+    if step.splits > 1:
+        work, counts = _workspace(device, step.work_floats, step.counters)
+    else:
+        work, counts = o, cache_seqlens  # unused: stand-ins of the right kind
+    tensors = (q, k_cache, v_cache, cache_seqlens, cache_seqlens if block_table is None else block_table,
+               o, o if lse is None else lse, work, counts)
+    if step.relaunch is None or not step.relaunch(step.grid, tensors):
+        plan = step.plan
+        step.relaunch = prepare(
+            decode_kernel, step.grid, len(tensors), *tensors, *plan.strides,
+            sq, new, step.splits, scale * LOG2E,
+            SPLIT=step.splits > 1, STORE_LSE=lse is not None, **plan.constexprs,
+        )
+    return o, lse
+
+
+class _Step:
+    """Everything a decode call derives from its arguments' metadata: the tile, the plan, the split count, the
+    scratch sizes, the grid, and once launched a ``Relaunch`` that repeats the launch with new tensors."""
+
+    __slots__ = ("plan", "splits", "work_floats", "counters", "grid", "relaunch")
+
+    def __init__(self, plan: _Plan, splits: int, work_floats: int, counters: int):
+        self.plan, self.splits, self.work_floats, self.counters = plan, splits, work_floats, counters
+        self.grid = (plan.grid_bh, plan.row_blocks, splits)
+        self.relaunch = None
+
+
+_STEPS: dict = {}
+
+
+def _make_step(q, k_cache, v_cache, block_table, causal: bool, longest: int, num_splits: int, config) -> _Step:
+    b, sq, hq, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[3]
+    sms = _sm_count(q.device)
+    cfg = config or decode_config(d, dv, q.dtype, q.device.type, batch_heads=b * hkv, max_seqlen_k=longest,
                                   num_sms=sms)
     plan = _plan(q, k_cache, v_cache, block_table, cfg, causal)
     if num_splits == 0:
         num_splits = decode_num_splits(plan.grid_bh * plan.row_blocks, longest, sms, cfg.block_n)
     num_splits = max(1, min(num_splits, -(-longest // cfg.block_n)))  # more would only add empty chunks
-    if num_splits > 1:
-        tiles = plan.grid_bh * num_splits * sq * (hq // hkv)
-        work, counts = _workspace(device, tiles * (dv + 1), plan.grid_bh * plan.row_blocks)
-    else:
-        work, counts = o, cache_seqlens  # unused: stand-ins of the right kind
-    launch(
-        decode_kernel, (plan.grid_bh, plan.row_blocks, num_splits),
-        q, k_cache, v_cache, cache_seqlens, cache_seqlens if block_table is None else block_table,
-        o, o if lse is None else lse, work, counts,
-        *plan.strides,
-        sq, 0 if k is None else k.shape[1], num_splits, scale * LOG2E,
-        SPLIT=num_splits > 1, STORE_LSE=lse is not None, **plan.constexprs,
-    )
-    return o, lse
+    tiles = plan.grid_bh * num_splits * sq * (hq // hkv)
+    return _Step(plan, num_splits, tiles * (dv + 1), plan.grid_bh * plan.row_blocks)
