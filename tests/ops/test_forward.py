@@ -182,6 +182,35 @@ def test_inference_and_autograd_paths_agree_bitwise():
     assert torch.equal(direct[0], through_op[0]) and torch.equal(direct[1], through_op[1])
 
 
+def test_eager_training_skips_the_custom_ops_and_matches_them(monkeypatch):
+    """A plain eager call that needs a graph runs the kernels under an autograd.Function, not through the custom ops
+    (whose dispatch costs more host time than the launches); its outputs and gradients equal the op path's bitwise."""
+    q, k, v = _inputs(1, 33, 40, 4, 2, 64, 64, torch.float16, seed=10)
+    do = torch.randn(1, 33, 4, 64, dtype=torch.float16, device=DEVICE)
+    through_op = [x.clone().requires_grad_() for x in (q, k, v)]
+    o_op, lse_op = torch.ops.onlineattn.attention_fwd(*through_op, 0.125, True)
+    o_op.backward(do)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the custom op was called")
+
+    monkeypatch.setattr(F, "attention_fwd", refuse)
+    eager = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = onlineattn.attention(*eager, causal=True, softmax_scale=0.125, return_lse=True, backend="triton")
+    o.backward(do)
+    assert torch.equal(o, o_op) and torch.equal(lse, lse_op)
+    for a, b in zip(eager, through_op):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_eager_training_refuses_double_backward():
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 9, 9, 2, 2, 16, 16, torch.float32, seed=11))
+    o = onlineattn.attention(q, k, v, causal=True, backend="triton")
+    (dq,) = torch.autograd.grad(o.sum(), q, create_graph=True)
+    with pytest.raises((NotImplementedError, RuntimeError), match="double backward|does not require grad"):
+        torch.autograd.grad(dq.sum(), q)
+
+
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_through_kernel_bf16(causal):

@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._mods import PLAIN, Mods, bias_4d
-from ..torch_impl import FWD_SCHEMA, autograd_formula, fake_forward, save_for_backward
+from ..torch_impl import FWD_SCHEMA, autograd_formula, fake_forward, plain_eager, save_for_backward
 from ._common import (
     LOG2E, band_key_range, finalize_state, keep_scale, key_range, online_softmax_step, row_tile, score_mod,
     sequence_bounds, tile_order, visible,
@@ -336,19 +336,36 @@ def _backward_direct(do, q, k, v, o, lse, dlse, scale, causal, mods, bias_grad):
     return gradients(do, q, k, v, o, lse, scale, causal, dlse, mods=mods, bias_grad=bias_grad)
 
 
-attention_fwd.register_autograd(autograd_formula(_backward_op, _backward_direct), setup_context=save_for_backward)
+_formula = autograd_formula(_backward_op, _backward_direct)
+attention_fwd.register_autograd(_formula, setup_context=save_for_backward)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The op's autograd without the op, for plain eager calls: the same setup_context and backward formula, minus
+    the dispatcher's redispatch and torch.library's per-call filling of this schema's defaults (~80 µs of host per
+    training call on the CPU machine, more than the launches)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, *mod_args):  # ctx-style: apply() then skips binding a signature
+        output = forward(q, k, v, scale, causal, mods=Mods.from_op_args(mod_args))
+        save_for_backward(ctx, (q, k, v, scale, causal, *mod_args), output)
+        return output
+
+    backward = staticmethod(_formula)
 
 
 def attention(q, k, v, scale: float, causal: bool, mods: Mods = PLAIN):
     """Fused attention on the Triton path: ``(o, lse)``, differentiable.
 
-    Through the custom op when autograd or torch.compile needs it; otherwise the launcher is called directly, which
-    saves the dispatcher's Python overhead (tens of microseconds, as long as a whole small-shape kernel).
+    Through the custom op when torch.compile, functorch or a tensor subclass is involved. Otherwise the launcher
+    runs directly (under ``_EagerAttention`` when autograd needs a graph), which saves the dispatcher's Python
+    overhead (tens of microseconds, as long as a whole small-shape kernel).
     """
     tensors = (q, k, v, mods.attn_bias, mods.sinks)
     needs_graph = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
     if needs_graph or torch.compiler.is_compiling():
-        if mods is PLAIN:
-            return attention_fwd(q, k, v, scale, causal)
-        return attention_fwd(q, k, v, scale, causal, *mods.op_args())
+        args = (q, k, v, scale, causal) if mods is PLAIN else (q, k, v, scale, causal, *mods.op_args())
+        if needs_graph and plain_eager(*tensors, mods.alibi_slopes, mods.rng, mods.cu_seqlens_q, mods.cu_seqlens_k):
+            return _EagerAttention.apply(*args)
+        return attention_fwd(*args)
     return forward(q, k, v, scale, causal, mods=mods)
