@@ -240,6 +240,27 @@ def test_logits_near_fp16_overflow_and_non_contiguous_inputs():
            *R.torch_math_attention(q, k, v, causal=True), torch.float16)
 
 
+def test_strided_lengths_and_block_table_are_read_as_views():
+    """A block table that is every other column of a wider one and lengths that are every other entry: the kernel
+    path reads (and appends through) the same pages and lengths as the torch path, which indexes the views."""
+    b, hq, hkv, d, page = 2, 4, 2, 16, 16
+    g = torch.Generator().manual_seed(12)
+    pool = torch.randn(12, page, hkv, d, generator=g)
+    table = torch.randperm(12, generator=g).int().reshape(b, 6)[:, ::2].to(DEVICE)
+    lens = torch.tensor([20, 99, 40, 99], dtype=torch.int32, device=DEVICE)[::2]
+    q, k, v = (torch.randn(b, 1, h, d, generator=g).to(DEVICE) for h in (hq, hkv, hkv))
+    assert not (table.is_contiguous() or lens.is_contiguous())
+    results = []
+    for backend in ("triton", "torch"):
+        k_cache, v_cache = pool.clone().to(DEVICE), pool.flip(0).clone().to(DEVICE)
+        o = onlineattn.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table,
+                                              backend=backend)
+        results.append((o, k_cache, v_cache))
+    (o_t, k_t, v_t), (o_r, k_r, v_r) = results
+    assert torch.equal(k_t, k_r) and torch.equal(v_t, v_r)
+    torch.testing.assert_close(o_t, o_r, rtol=1e-5, atol=1e-5)
+
+
 def test_triton_and_torch_appends_write_the_same_slots():
     b, hkv, d = 3, 2, 24
     _, k, v = _sequence(b, 9, hkv, hkv, d, d, torch.float32, seed=10)
