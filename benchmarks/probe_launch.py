@@ -19,6 +19,7 @@ tests/ops/test_launch.py's ``CASES``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -115,7 +116,11 @@ def time_decode(reps: str = "3000") -> None:
         "attention_with_kvcache": lambda: api.attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=False,
                                                                      check_indices=False),
         "ops.decode launcher": lambda: decode.attention_with_kvcache(q, k, v, None, None, lens, None, 0.1, False, 0),
+        "ops.decode launcher, max_seqlen_k one longer each call (as check_indices=True gives)": lambda: (
+            decode.attention_with_kvcache(q, k, v, None, None, lens, None, 0.1, False, 0,
+                                          max_seqlen_k=2048 + next(growing))),
     }
+    growing = itertools.count()
     for name, fn in calls.items():
         print(f"{name}: {_best_us(fn, reps, warmup=200):.1f} us (min of 5 x {reps})", flush=True)
 

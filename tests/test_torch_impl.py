@@ -294,3 +294,12 @@ def test_plain_eager_sees_subclasses_and_functorch():
     seen = []
     torch.func.vmap(lambda y: seen.append(plain_eager(y)) or y)(torch.zeros(3, 2))
     assert seen == [False]
+    assert plain_eager(torch.nn.Parameter(x))
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        assert not plain_eager(x)

@@ -398,12 +398,20 @@ def test_relaunch_binds_new_tensors_as_run(fake_decode):
     assert len(launched) == 9 + len(bound) and all(a is b for a, b in zip(launched[9:], bound))
 
 
-@pytest.mark.parametrize("change", ["alignment", "debug", "device", "disabled", "hook"])
+@pytest.mark.parametrize("change", ["alignment", "debug", "device", "disabled", "hook", "pre_run_hook", "subclass"])
 def test_relaunch_refuses_what_could_specialise_otherwise(fake_decode, monkeypatch, change):
     jit, grid, args, kwargs, runs, compiled = fake_decode
     relaunch = _launch.prepare(jit, grid, 9, *args, **kwargs)
     tensors = list(args[:9])
-    if change == "alignment":
+    if change == "pre_run_hook":
+        monkeypatch.setattr(jit, "pre_run_hooks", [print])
+    elif change == "subclass":
+
+        class Sub(torch.Tensor):
+            pass
+
+        tensors[0] = tensors[0].as_subclass(Sub)
+    elif change == "alignment":
         tensors[0] = _like(tensors[0], offset=1)  # 2 bytes off: Triton would specialise the pointer otherwise
     elif change == "debug":
         monkeypatch.setattr(knobs.runtime, "debug", not knobs.runtime.debug)

@@ -195,15 +195,15 @@ _DECODE_FP32 = {16: DecodeConfig(32, 64, 4, 2), 32: DecodeConfig(32, 64, 4, 2), 
 
 
 def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *, batch_heads: int = 0,
-                  max_seqlen_k: int = 0, num_sms: int = 0) -> DecodeConfig:
-    """The tile for a decode launch over ``batch_heads`` (sequence, kv head) pairs and keys up to ``max_seqlen_k``
-    (0: unknown, counted as one split)."""
+                  max_seqlen_k: int = 0, num_sms: int = 0, num_splits: int = 0) -> DecodeConfig:
+    """The tile for a decode launch of ``batch_heads`` programs per split ((sequence, kv head) pairs times row
+    blocks), keys up to ``max_seqlen_k`` (0: unknown, counted as one split) and ``num_splits`` (0: automatic)."""
     if device_type != "cuda":
         return _DECODE_INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
     if dtype == torch.float32:
         return _DECODE_FP32[padded]
-    splits = decode_num_splits(batch_heads, max_seqlen_k, num_sms, _DECODE_HALF[padded].block_n)
+    splits = num_splits or decode_num_splits(batch_heads, max_seqlen_k, num_sms, _DECODE_HALF[padded].block_n)
     one_per_sm = 0 < batch_heads * splits <= num_sms
     return _DECODE_HALF_FILL.get(padded, _DECODE_HALF[padded]) if one_per_sm else _DECODE_HALF[padded]
 

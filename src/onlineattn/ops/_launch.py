@@ -174,19 +174,20 @@ class Relaunch:
     False, launching nothing, where the call might specialise differently (a tensor's 16-byte alignment changed,
     another device, a hook or knob set since) and so needs ``launch``. ``prepare`` makes one."""
 
-    __slots__ = ("kernel", "compiled", "rest", "aligned", "device", "knobs", "options")
+    __slots__ = ("kernel", "compiled", "rest", "types", "aligned", "device", "knobs", "options")
 
-    def __init__(self, kernel, compiled, rest: tuple, aligned: tuple, device, knob_values: tuple, options: dict):
-        self.kernel, self.compiled, self.rest, self.aligned = kernel, compiled, rest, aligned
+    def __init__(self, kernel, compiled, rest: tuple, types: tuple, aligned: tuple, device, knob_values: tuple,
+                 options: dict):
+        self.kernel, self.compiled, self.rest, self.types, self.aligned = kernel, compiled, rest, types, aligned
         self.device, self.knobs = device, knob_values
         self.options = options  # the launch options (num_warps...): not needed to relaunch, kept for checks
 
     def __call__(self, grid: tuple, tensors: tuple) -> bool:
         rt = knobs.runtime
-        if not (enabled and _idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook)
+        if not (enabled and _idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook) and not self.kernel.pre_run_hooks
                 and (rt.debug, knobs.compilation.instrumentation_mode) == self.knobs):
             return False
-        if tuple([x.data_ptr() % 16 == 0 for x in tensors]) != self.aligned:
+        if tuple(map(type, tensors)) != self.types or tuple([x.data_ptr() % 16 == 0 for x in tensors]) != self.aligned:
             return False
         device = driver.active.get_current_device()
         if device != self.device:
@@ -226,9 +227,11 @@ def prepare(kernel, grid: tuple, n_tensors: int, *args, **kwargs):
         return None
     if compiled is None:
         return None
-    aligned = tuple([x.data_ptr() % 16 == 0 for x in values[:n_tensors]])
+    tensors = values[:n_tensors]
+    aligned = tuple([x.data_ptr() % 16 == 0 for x in tensors])
     options = {name: kwargs[name] for name in key[4]}
-    return Relaunch(kernel, compiled, tuple(values[n_tensors:]), aligned, device, knob_values, options)
+    return Relaunch(kernel, compiled, tuple(values[n_tensors:]), tuple(map(type, tensors)), aligned, device,
+                    knob_values, options)
 
 
 _MISSING = object()
