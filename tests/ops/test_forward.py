@@ -211,6 +211,16 @@ def test_eager_training_refuses_double_backward():
         torch.autograd.grad(dq.sum(), q)
 
 
+def test_vmap_runs_through_the_op():
+    """Under torch.func.vmap the tensors have no storage of their own: the call goes through the custom op (whose
+    batching falls back to a loop) rather than to the launcher, and equals attention per example."""
+    q, k, v = (torch.stack([x] * 2) for x in _inputs(1, 9, 11, 2, 2, 16, 16, torch.float32, seed=12))
+    q = q * torch.tensor([1.0, -0.5], device=DEVICE)[:, None, None, None, None]
+    out = torch.func.vmap(lambda a, b, c: onlineattn.attention(a, b, c, causal=True, backend="triton"))(q, k, v)
+    for i in range(2):
+        assert torch.equal(out[i], onlineattn.attention(q[i], k[i], v[i], causal=True, backend="triton"))
+
+
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
 def test_gradients_through_kernel_bf16(causal):

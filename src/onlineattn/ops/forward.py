@@ -357,13 +357,14 @@ class _EagerAttention(torch.autograd.Function):
 def attention(q, k, v, scale: float, causal: bool, mods: Mods = PLAIN):
     """Fused attention on the Triton path: ``(o, lse)``, differentiable.
 
-    Through the custom op when torch.compile, functorch or a tensor subclass is involved. Otherwise the launcher
-    runs directly (under ``_EagerAttention`` when autograd needs a graph), which saves the dispatcher's Python
-    overhead (tens of microseconds, as long as a whole small-shape kernel).
+    Through the custom op when torch.compile, a functorch transform (vmap: its tensors have no storage to launch on)
+    or a tensor subclass is involved. Otherwise the launcher runs directly (under ``_EagerAttention`` when autograd
+    needs a graph), which saves the dispatcher's Python overhead (tens of microseconds, as long as a whole
+    small-shape kernel).
     """
     tensors = (q, k, v, mods.attn_bias, mods.sinks)
     needs_graph = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
-    if needs_graph or torch.compiler.is_compiling():
+    if needs_graph or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         args = (q, k, v, scale, causal) if mods is PLAIN else (q, k, v, scale, causal, *mods.op_args())
         if needs_graph and plain_eager(*tensors, mods.alibi_slopes, mods.rng, mods.cu_seqlens_q, mods.cu_seqlens_k):
             return _EagerAttention.apply(*args)
