@@ -172,10 +172,11 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def _tma_ok(*tensors) -> bool:
     """The copy engine needs a 16-byte aligned base and 16-byte multiples for the outer strides (Triton's interpreter
     emulates descriptors on CPU tensors, so tests reach this path there too)."""
-    return all(
-        x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
-        for x in tensors
-    )
+    for x in tensors:
+        size = x.element_size()
+        if x.data_ptr() % 16 or any(s * size % 16 for s in x.stride()[:-1]):
+            return False
+    return True
 
 
 # CUDA caps the grid's second axis (one program column per (batch, kv head)); larger batches launch in slices.
@@ -281,6 +282,9 @@ _PLAIN_ARGS = {  # what variant_args gives without variants, built once: the pla
 }
 
 
+_BATCH_STRIDES = frozenset({0, 3, 6, 9, 12})  # positions of q's, k's, v's, o's and lse's batch strides
+
+
 def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mods: Mods = PLAIN) -> None:
     b, sq, hq, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -290,14 +294,10 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
     if use_tma:
         k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, cfg.block_n, 1, block_d])
         v_arg = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, cfg.block_n, 1, block_dv])
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2])
     if mods.varlen:  # the grid covers the longest sequence; batch strides are 0 (pointers move per sequence)
         b, sq, sk = mods.cu_seqlens_q.shape[0] - 1, mods.max_seqlen_q, mods.max_seqlen_k
-        strides = (0, q.stride(1), q.stride(2), 0, k.stride(1), k.stride(2), 0, v.stride(1), v.stride(2),
-                   0, o.stride(1), o.stride(2), 0, lse.stride(1))
-    else:
-        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                   v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-                   lse.stride(0), lse.stride(1))
+        strides = tuple(0 if i in _BATCH_STRIDES else x for i, x in enumerate(strides))
     grid = (cdiv(sq * group, cfg.block_m), b * hkv)
     launch(
         attention_fwd_kernel, grid, q, k_arg, v_arg, o, lse, *strides,
