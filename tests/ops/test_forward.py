@@ -1,6 +1,8 @@
 """Triton forward kernel against the oracle. Without CUDA these run through Triton's interpreter on CPU tensors
 (fp32 and fp16; the interpreter's bf16 dot is wrong); with CUDA they run on the GPU, plus bf16 and large shapes."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -27,13 +29,13 @@ def _inputs(b, sq, sk, hq, hkv, d, dv, dtype, *, seed, q_scale=1.0, device=DEVIC
     return q, k, v
 
 
-def _run_poisoned(q, k, v, causal, scale=None):
+def _run_poisoned(q, k, v, causal, scale=None, config=None):
     """Launch into NaN-filled outputs, so an element the kernel never writes fails the comparison."""
     b, sq, hq, _ = q.shape
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o = torch.full((b, sq, hq, v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float32, device=q.device)
-    return F.forward(q, k, v, scale, causal, out=o, lse_out=lse)
+    return F.forward(q, k, v, scale, causal, out=o, lse_out=lse, config=config)
 
 
 def _check(q, k, v, causal, o, lse, scale=None):
@@ -255,6 +257,30 @@ def test_longest_first_order_covers_every_tile(heads_per_group):
     lse = torch.full((5, 2, 70), float("nan"), dtype=torch.float32, device=q.device)
     F.forward(q, k, v, 32**-0.5, True, out=o, lse_out=lse, config=cfg)
     _check(q, k, v, True, o, lse)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES[2:], ids=lambda s: "x".join(map(str, s)))
+def test_pipelined_key_loop_matches_oracle(shape, causal):
+    """The software-pipelined unmasked loop (softmax of block j beside P·V of block j-1): same rule as the plain
+    loop, on shapes with zero, one and several unmasked key blocks per tile (32-key blocks)."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    q, k, v = _inputs(*shape, dtype, seed=sum(shape))
+    cfg = fwd_config(shape[5], shape[6], dtype, causal, q.device.type)
+    o, lse = _run_poisoned(q, k, v, causal, config=replace(cfg, block_n=32, pipeline=True))
+    _check(q, k, v, causal, o, lse)
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_pipelined_key_loop_large_bf16(d, causal):
+    q, k, v = _inputs(2, 2053, 2053, 4, 2, d, d, torch.bfloat16, seed=d, device="cuda")
+    cfg = fwd_config(d, d, torch.bfloat16, causal, "cuda")
+    o, lse = _run_poisoned(q, k, v, causal, config=replace(cfg, pipeline=True))
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "unwritten elements"
+    for rows in (slice(0, 256), slice(1000, 1256), slice(2053 - 256, 2053)):
+        _check_rows(q, k, v, causal, o, lse, rows)
 
 
 def test_offsets_beyond_int32_are_refused_before_launch():

@@ -16,6 +16,7 @@ class FwdConfig:
     tma: bool = False  # K/V through tensor descriptors (the bulk copy engine) where strides allow
     warp_specialize: bool = False  # tl.range(warp_specialize=True) on the unmasked key loop (see the note below)
     heads_per_group: int = 1  # programs run longest-first across groups of this many (batch, kv head) columns
+    pipeline: bool = False  # the unmasked key loop overlaps block j's softmax with block j-1's P·V (forward.py)
 
 
 # Interpreter runs (CPU tensors, TRITON_INTERPRET=1): bigger tiles mean fewer Python-level programs; stages and warps

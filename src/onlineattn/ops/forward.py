@@ -19,8 +19,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._mods import PLAIN, Mods, bias_4d
 from ..torch_impl import FWD_SCHEMA, autograd_formula, fake_forward, plain_eager, save_for_backward
 from ._common import (
-    LOG2E, band_key_range, finalize_state, keep_scale, key_range, online_softmax_step, row_tile, score_mod,
-    sequence_bounds, tile_order, visible,
+    LOG2E, band_key_range, finalize_state, keep_scale, key_range, row_tile, score_mod, sequence_bounds, softmax_probs,
+    tile_order, visible,
 )
 from ._configs import fwd_config
 from ._launch import cdiv, launch, next_power_of_2
@@ -48,7 +48,7 @@ def attention_fwd_kernel(
     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
     VARLEN: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     ALIBI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, SINK: tl.constexpr = False,
-    DROPOUT: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, PIPELINE: tl.constexpr = False,
 ):
     # Causal tiles near the bottom have the most key blocks: launch them first so the tail of the grid is short.
     pid_m, pid_bh = tile_order(HEADS_PER_GROUP)
@@ -95,25 +95,38 @@ def attention_fwd_kernel(
         m_i = tl.load(SINKS + o_h).to(tl.float32) * 1.4426950408889634
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
 
+    # Common arguments of the block helpers below, in their order.
+    kargs = (K, p_kt, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, seqlen_k, diag, stride_ks, qk_scale, vargs)
+    vload = (V, p_v, pid_b, off_hkv, o_n, m_dv, seqlen_k, stride_vs)
     if WINDOW:
         for start_n in range(lo, full_lo, BLOCK_N):
-            m_i, l_i, acc = _fwd_block(
-                start_n, b_q, m_i, l_i, acc, K, V, p_kt, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, m_dv, seqlen_k,
-                diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, INPUT_PRECISION,
-                USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
-            )
-    for start_n in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        m_i, l_i, acc = _fwd_block(
-            start_n, b_q, m_i, l_i, acc, K, V, p_kt, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, m_dv, seqlen_k,
-            diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, INPUT_PRECISION,
-            USE_TMA, False, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
-        )
+            m_i, l_i, acc = _fwd_block(start_n, b_q, m_i, l_i, acc, kargs, vload, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
+                                       INPUT_PRECISION, USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
+    if PIPELINE:
+        # Software-pipelined: block j's softmax runs while the tensor cores add block j-1's P·V. The P·V dot's
+        # result is only carried to the next iteration, where the rescale by alpha (deferred one block) reads it
+        # after the wait for block j's QKᵀ: so Triton leaves that dot in flight across the softmax (its
+        # "properly async" wgmma rule). Exact: each block's rescale and P·V happen in the same order, one
+        # iteration later.
+        if full_hi > full_lo:
+            p, m_i, l_i, alpha = _fwd_probs(full_lo, b_q, m_i, l_i, kargs, BLOCK_N, BLOCK_D, CAUSAL, INPUT_PRECISION,
+                                            USE_TMA, False, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
+            for start_n in tl.range(full_lo + BLOCK_N, full_hi, BLOCK_N):
+                qk = _fwd_scores(start_n, b_q, kargs, BLOCK_N, BLOCK_D, INPUT_PRECISION, USE_TMA, False)
+                acc = _fwd_pv(start_n - BLOCK_N, p, acc * alpha[:, None], vload, BLOCK_N, BLOCK_DV, INPUT_PRECISION,
+                              USE_TMA, False)
+                p, m_i, l_i, alpha = _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL, False, WINDOW, SOFTCAP, ALIBI,
+                                                  HAS_BIAS, DROPOUT)
+                p = p.to(b_q.dtype)
+            acc = _fwd_pv(full_hi - BLOCK_N, p, acc * alpha[:, None], vload, BLOCK_N, BLOCK_DV, INPUT_PRECISION,
+                          USE_TMA, False)
+    else:
+        for start_n in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            m_i, l_i, acc = _fwd_block(start_n, b_q, m_i, l_i, acc, kargs, vload, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
+                                       INPUT_PRECISION, USE_TMA, False, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
     for start_n in range(full_hi, hi, BLOCK_N):
-        m_i, l_i, acc = _fwd_block(
-            start_n, b_q, m_i, l_i, acc, K, V, p_kt, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, m_dv, seqlen_k,
-            diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, INPUT_PRECISION,
-            USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
-        )
+        m_i, l_i, acc = _fwd_block(start_n, b_q, m_i, l_i, acc, kargs, vload, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
+                                   INPUT_PRECISION, USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
 
     b_o, b_lse = finalize_state(m_i, l_i, acc)
     p_o = O + off_b * stride_ob + o_i[:, None] * stride_os + o_h[:, None] * stride_oh + o_dv[None, :]
@@ -123,23 +136,54 @@ def attention_fwd_kernel(
 
 @triton.jit
 def _fwd_block(
-    start_n, b_q, m_i, l_i, acc, K, V, p_kt, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, m_dv, seqlen_k,
-    diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    start_n, b_q, m_i, l_i, acc, kargs, vload, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    """One key block ``[start_n, start_n + BLOCK_N)`` of the recurrence: scores, their variants, the visibility mask
-    when ``MASKED`` (the causal diagonal, the window's edges, the end of the keys), then ``acc += P V``."""
-    o_j = start_n + o_n
-    m_n = o_j < seqlen_k
+    """One key block ``[start_n, start_n + BLOCK_N)`` of the recurrence: probabilities (``_fwd_probs``), the rescale,
+    then ``acc += P V``."""
+    p, m_i, l_i, alpha = _fwd_probs(start_n, b_q, m_i, l_i, kargs, BLOCK_N, BLOCK_D, CAUSAL, INPUT_PRECISION, USE_TMA,
+                                    MASKED, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
+    acc = _fwd_pv(start_n, p, acc * alpha[:, None], vload, BLOCK_N, BLOCK_DV, INPUT_PRECISION, USE_TMA, MASKED)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _fwd_probs(
+    start_n, b_q, m_i, l_i, kargs, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+):
+    """Scores of one key block, then ``_fwd_softmax``: ``(p, m, l, alpha)`` with p in q's dtype."""
+    qk = _fwd_scores(start_n, b_q, kargs, BLOCK_N, BLOCK_D, INPUT_PRECISION, USE_TMA, MASKED)
+    p, m_i, l_i, alpha = _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL, MASKED, WINDOW, SOFTCAP, ALIBI, HAS_BIAS,
+                                      DROPOUT)
+    return p.to(b_q.dtype), m_i, l_i, alpha
+
+
+@triton.jit
+def _fwd_scores(start_n, b_q, kargs, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                USE_TMA: tl.constexpr, MASKED: tl.constexpr):
+    """Raw scores ``q kᵀ`` of the key block at ``start_n``, float32 ``[BLOCK_M, BLOCK_N]``."""
+    K, p_kt, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, seqlen_k, diag, stride_ks, qk_scale, vargs = kargs
     if USE_TMA:  # K and V are [B, Sk, Hkv, D] tensor descriptors; the copy engine zero-fills past the end
         b_kt = tl.trans(K.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_D))
     elif MASKED:
-        b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None] & m_n[None, :], other=0.0)
+        b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None] & (start_n + o_n < seqlen_k)[None, :], other=0.0)
     else:
         b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None], other=0.0)
-    qk = tl.dot(b_q, b_kt, input_precision=INPUT_PRECISION)
+    return tl.dot(b_q, b_kt, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
+    """The score variants, the visibility mask when ``MASKED`` (the causal diagonal, the window's edges, the end of
+    the keys), then one online-softmax step: ``(p, m, l, alpha)``, dropout applied to p (float32); the caller owes
+    ``acc * alpha`` before adding ``p @ v``."""
+    K, p_kt, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, seqlen_k, diag, stride_ks, qk_scale, vargs = kargs
+    o_j = start_n + o_n
+    m_n = o_j < seqlen_k
     step_scale = qk_scale
     if SOFTCAP or ALIBI or HAS_BIAS:  # logits in the log2 domain already
         qk, _ = score_mod(qk, o_i[:, None], o_j[None, :], o_h[:, None], pid_b, m_r[:, None] & m_n[None, :], diag,
@@ -149,17 +193,24 @@ def _fwd_block(
         vis = visible(o_i[:, None], o_j[None, :], m_n[None, :], diag, vargs, CAUSAL, WINDOW)
         qk = tl.where(vis, qk, float("-inf"))
     # A bias may hold -inf anywhere, so with one every block needs the masked step's guard.
-    p, m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, step_scale, MASKED=MASKED or HAS_BIAS)
+    p, m_i, l_i, alpha = softmax_probs(qk, m_i, l_i, step_scale, MASKED=MASKED or HAS_BIAS)
+    if DROPOUT:  # the normaliser counts every probability; the output only the kept ones, scaled up
+        p = p * keep_scale(o_i[:, None], o_j[None, :], o_h[:, None], pid_b, vargs)
+    return p, m_i, l_i, alpha
+
+
+@triton.jit
+def _fwd_pv(start_n, p, acc, vload, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+            USE_TMA: tl.constexpr, MASKED: tl.constexpr):
+    """``acc + p @ v`` for the value block at ``start_n``."""
+    V, p_v, pid_b, off_hkv, o_n, m_dv, seqlen_k, stride_vs = vload
     if USE_TMA:
         b_v = V.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_DV)
     elif MASKED:
-        b_v = tl.load(p_v + start_n * stride_vs, mask=m_n[:, None] & m_dv[None, :], other=0.0)
+        b_v = tl.load(p_v + start_n * stride_vs, mask=(start_n + o_n < seqlen_k)[:, None] & m_dv[None, :], other=0.0)
     else:
         b_v = tl.load(p_v + start_n * stride_vs, mask=m_dv[None, :], other=0.0)
-    if DROPOUT:  # the normaliser counts every probability; the output only the kept ones, scaled up
-        p = p * keep_scale(o_i[:, None], o_j[None, :], o_h[:, None], pid_b, vargs)
-    acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
-    return m_i, l_i, acc
+    return tl.dot(p, b_v, acc, input_precision=INPUT_PRECISION)
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -307,7 +358,7 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=causal and mods.band(causal) is None, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, HEADS_PER_GROUP=cfg.heads_per_group,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PIPELINE=cfg.pipeline, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
