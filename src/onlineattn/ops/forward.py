@@ -103,23 +103,23 @@ def attention_fwd_kernel(
             m_i, l_i, acc = _fwd_block(start_n, b_q, m_i, l_i, acc, kargs, vload, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
                                        INPUT_PRECISION, USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
     if PIPELINE:
-        # Software-pipelined: block j's softmax runs while the tensor cores add block j-1's P·V. The P·V dot's
-        # result is only carried to the next iteration, where the rescale by alpha (deferred one block) reads it
-        # after the wait for block j's QKᵀ: so Triton leaves that dot in flight across the softmax (its
-        # "properly async" wgmma rule). Exact: each block's rescale and P·V happen in the same order, one
-        # iteration later.
+        # Software-pipelined: block j's softmax runs while the tensor cores add block j-1's P·V. That dot's result
+        # is only carried to the next iteration, whose rescale by alpha (deferred one block) reads it after the
+        # wait for block j's QKᵀ, so Triton leaves it in flight across the softmax (its "properly async" wgmma
+        # rule). The first iteration adds 0 · V (p = 0, alpha = 1: exact) in place of a peeled first block, whose
+        # separate K buffer Triton would keep alive through the loop (16 KiB more shared memory, one program per
+        # SM instead of two at d = 128). Each block's rescale and P·V happen in the same order as the plain loop.
         if full_hi > full_lo:
-            p, m_i, l_i, alpha = _fwd_probs(full_lo, b_q, m_i, l_i, kargs, BLOCK_N, BLOCK_D, CAUSAL, INPUT_PRECISION,
-                                            USE_TMA, False, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
-            for start_n in tl.range(full_lo + BLOCK_N, full_hi, BLOCK_N):
+            p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            alpha = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+            for start_n in tl.range(full_lo, full_hi, BLOCK_N):
                 qk = _fwd_scores(start_n, b_q, kargs, BLOCK_N, BLOCK_D, INPUT_PRECISION, USE_TMA, False)
-                acc = _fwd_pv(start_n - BLOCK_N, p, acc * alpha[:, None], vload, BLOCK_N, BLOCK_DV, INPUT_PRECISION,
-                              USE_TMA, False)
+                acc = _fwd_pv(tl.maximum(start_n - BLOCK_N, full_lo), p.to(b_q.dtype), acc * alpha[:, None], vload,
+                              BLOCK_N, BLOCK_DV, INPUT_PRECISION, USE_TMA, False)
                 p, m_i, l_i, alpha = _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL, False, WINDOW, SOFTCAP, ALIBI,
                                                   HAS_BIAS, DROPOUT)
-                p = p.to(b_q.dtype)
-            acc = _fwd_pv(full_hi - BLOCK_N, p, acc * alpha[:, None], vload, BLOCK_N, BLOCK_DV, INPUT_PRECISION,
-                          USE_TMA, False)
+            acc = _fwd_pv(full_hi - BLOCK_N, p.to(b_q.dtype), acc * alpha[:, None], vload, BLOCK_N, BLOCK_DV,
+                          INPUT_PRECISION, USE_TMA, False)
     else:
         for start_n in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             m_i, l_i, acc = _fwd_block(start_n, b_q, m_i, l_i, acc, kargs, vload, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
