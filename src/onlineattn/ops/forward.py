@@ -107,9 +107,11 @@ def attention_fwd_kernel(
         # is only carried to the next iteration, whose rescale by alpha (deferred one block) reads it after the
         # wait for block j's QKᵀ, so Triton leaves it in flight across the softmax (its "properly async" wgmma
         # rule). The first iteration adds 0 · V (p = 0, alpha = 1: exact) in place of a peeled first block, whose
-        # separate K buffer Triton would keep alive through the loop (16 KiB more shared memory, one program per
-        # SM instead of two at d = 128). Each block's rescale and P·V happen in the same order as the plain loop.
-        if full_hi > full_lo:
+        # separate K buffer Triton would keep alive through the loop (16 KiB more shared memory: one program per
+        # SM instead of two at d = 128), and the pending block passes from the whole-block loop to the masked one
+        # without a drain between them (with one there, ptxas serialises every wgmma of the kernel at d = 128).
+        # Each block's rescale and P·V happen in the same order as in the plain loops.
+        if hi > full_lo:
             p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             alpha = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
             for start_n in tl.range(full_lo, full_hi, BLOCK_N):
@@ -118,15 +120,22 @@ def attention_fwd_kernel(
                               BLOCK_N, BLOCK_DV, INPUT_PRECISION, USE_TMA, False)
                 p, m_i, l_i, alpha = _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL, False, WINDOW, SOFTCAP, ALIBI,
                                                   HAS_BIAS, DROPOUT)
-            acc = _fwd_pv(full_hi - BLOCK_N, p.to(b_q.dtype), acc * alpha[:, None], vload, BLOCK_N, BLOCK_DV,
-                          INPUT_PRECISION, USE_TMA, False)
+            for start_n in range(full_hi, hi, BLOCK_N):
+                qk = _fwd_scores(start_n, b_q, kargs, BLOCK_N, BLOCK_D, INPUT_PRECISION, USE_TMA, True)
+                acc = _fwd_pv(tl.maximum(start_n - BLOCK_N, full_lo), p.to(b_q.dtype), acc * alpha[:, None], vload,
+                              BLOCK_N, BLOCK_DV, INPUT_PRECISION, USE_TMA, True)
+                p, m_i, l_i, alpha = _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL, True, WINDOW, SOFTCAP, ALIBI,
+                                                  HAS_BIAS, DROPOUT)
+            last = full_lo + (hi - 1 - full_lo) // BLOCK_N * BLOCK_N  # the block whose P is still pending
+            acc = _fwd_pv(last, p.to(b_q.dtype), acc * alpha[:, None], vload, BLOCK_N, BLOCK_DV, INPUT_PRECISION,
+                          USE_TMA, True)
     else:
         for start_n in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             m_i, l_i, acc = _fwd_block(start_n, b_q, m_i, l_i, acc, kargs, vload, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
                                        INPUT_PRECISION, USE_TMA, False, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
-    for start_n in range(full_hi, hi, BLOCK_N):
-        m_i, l_i, acc = _fwd_block(start_n, b_q, m_i, l_i, acc, kargs, vload, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
-                                   INPUT_PRECISION, USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
+        for start_n in range(full_hi, hi, BLOCK_N):
+            m_i, l_i, acc = _fwd_block(start_n, b_q, m_i, l_i, acc, kargs, vload, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
+                                       INPUT_PRECISION, USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
 
     b_o, b_lse = finalize_state(m_i, l_i, acc)
     p_o = O + off_b * stride_ob + o_i[:, None] * stride_os + o_h[:, None] * stride_oh + o_dv[None, :]
