@@ -271,6 +271,18 @@ def test_pipelined_key_loop_matches_oracle(shape, causal):
     _check(q, k, v, causal, o, lse)
 
 
+def test_long_plain_launches_take_the_pipelined_loops():
+    """The table's choice (ops/_configs.py): d = 128 and 256 from PIPELINE_MIN_KEYS keys on, plain launches only."""
+    from onlineattn.ops._configs import PIPELINE_MIN_KEYS
+
+    pick = lambda d, sk, **kw: fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=sk, seqlen_k=sk, **kw)
+    assert pick(128, PIPELINE_MIN_KEYS).pipeline and pick(256, 4 * PIPELINE_MIN_KEYS).pipeline
+    assert pick(128, PIPELINE_MIN_KEYS).heads_per_group == 4  # otherwise the causal d = 128 tile
+    assert not pick(128, PIPELINE_MIN_KEYS - 1).pipeline and not pick(64, PIPELINE_MIN_KEYS).pipeline
+    assert not pick(128, PIPELINE_MIN_KEYS, variants=True).pipeline and not pick(128, None).pipeline
+    assert not fwd_config(128, 128, torch.float32, True, "cuda", seqlen_k=PIPELINE_MIN_KEYS).pipeline
+
+
 @gpu
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])

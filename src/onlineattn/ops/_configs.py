@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -46,6 +46,16 @@ _FWD_HALF = {
     256: FwdConfig(64, 64, 4, 3, tma=True),
 }
 _FWD_HALF_CAUSAL = {**_FWD_HALF, 128: FwdConfig(64, 64, 4, 3, tma=True, heads_per_group=4)}
+# - Software-pipelined key loops (pipeline=True: block j's softmax beside block j-1's P·V; forward.py), medians of
+#   3 round-robin passes in two runs, against the same tile without: N = 16384 gained at d = 128 (causal 490 / 507
+#   vs 474 / 496, non-causal 499 / 504 vs 490 / 486) and d = 256 (causal 521 / 523 vs 503 / 504, non-causal 509 /
+#   538 vs 512 / 512); N = 4096 was within noise either way (-2% .. +4%); N = 1024 lost 2-6% (the loop's first
+#   iteration adds 0·V in place of a peeled block: one extra P·V per tile). d = 64 was flat at every N. So plain
+#   launches at d = 128 and 256 pipeline from PIPELINE_MIN_KEYS keys on. Variant launches keep the plain loops
+#   (the pipelined ones are tested with every variant through the interpreter, not timed on the GPU).
+PIPELINE_MIN_KEYS = 16384
+_FWD_LONG = {causal: {d: replace(cfg, pipeline=True) for d, cfg in table.items() if d in (128, 256)}
+             for causal, table in ((False, _FWD_HALF), (True, _FWD_HALF_CAUSAL))}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 (above)
 
 # fp32 tiles take twice the shared memory and run as ieee fp32 (exactness before speed): smaller tiles.
@@ -66,9 +76,11 @@ def _padded(d: int) -> int:
 
 
 def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool, device_type: str, *,
-               seqlen_q: int | None = None, variants: bool = False, tma_ok: bool = True) -> FwdConfig:
-    """The tile for a launch. ``seqlen_q``: query rows per sequence (None: long); ``variants``: any score variant
-    flag is on; ``tma_ok``: K and V can go through tensor descriptors (aligned strides, not packed varlen)."""
+               seqlen_q: int | None = None, seqlen_k: int | None = None, variants: bool = False,
+               tma_ok: bool = True) -> FwdConfig:
+    """The tile for a launch. ``seqlen_q``/``seqlen_k``: query rows / keys per sequence (None: unknown); ``variants``:
+    any score variant flag is on; ``tma_ok``: K and V can go through tensor descriptors (aligned strides, not packed
+    varlen)."""
     if device_type != "cuda":
         return _INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
@@ -76,6 +88,8 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
         return _FWD_FP32[padded]
     if padded == 256 and (variants or not tma_ok or (seqlen_q is not None and seqlen_q <= 512)):
         return _FWD_D256_SMALL
+    if padded in _FWD_LONG[causal] and not variants and seqlen_k is not None and seqlen_k >= PIPELINE_MIN_KEYS:
+        return _FWD_LONG[causal][padded]
     return (_FWD_HALF_CAUSAL if causal else _FWD_HALF)[padded]
 
 

@@ -289,7 +289,8 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
         return o, lse.copy_(mods.sinks.view(hq, 1) if mods.varlen else mods.sinks.view(1, hq, 1))  # lse = the sink
     tma_ok = not mods.varlen and _tma_ok(k, v)  # a descriptor's bounds would be the whole pack, not a sequence
     cfg = config or fwd_config(q.shape[-1], dv, q.dtype, causal, q.device.type, variants=mods is not PLAIN,
-                               seqlen_q=mods.max_seqlen_q if mods.varlen else q.shape[1], tma_ok=tma_ok)
+                               seqlen_q=mods.max_seqlen_q if mods.varlen else q.shape[1],
+                               seqlen_k=mods.max_seqlen_k if mods.varlen else k.shape[1], tma_ok=tma_ok)
     use_tma = cfg.tma and tma_ok
     if mods.varlen:  # one launch over packed [1, total, H, D] views; each program finds its sequence
         q4, k4, v4, o4, lse3 = q[None], k[None], v[None], o[None], lse[None]
