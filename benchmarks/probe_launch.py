@@ -6,18 +6,20 @@ the C launch. Kernels compile for sm_90 with Triton's ptxas (cached on disk afte
 
     python benchmarks/probe_launch.py time            # host µs per forward / backward call, cache off vs on
     python benchmarks/probe_launch.py decode          # host µs of one attention_with_kvcache call (API and op)
+    python benchmarks/probe_launch.py step            # host µs of attention + autograd.grad (a training step)
     python benchmarks/probe_launch.py check [i ...]   # every cached launch is the kernel run() would pick
     python benchmarks/probe_launch.py gpu [i ...]     # on the GPU: outputs bitwise equal with the cache off / on
 
 ``check`` runs on the GPU machine too, with the real driver and CUDA tensors. The case indices are those of
 tests/ops/test_launch.py's ``CASES``.
 
-``check`` wraps ``launch``: after each call it asks Triton's own ``run(..., warmup=True)`` for the kernel of the same
-arguments and requires the very object the cached path launched.
+``check`` wraps ``launch`` and ``Relaunch`` (decode's repeats): after each call it asks Triton's own
+``run(..., warmup=True)`` for the kernel of the same arguments and requires the very object the cached path launched.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import time
@@ -114,17 +116,52 @@ def time_decode(reps: str = "3000") -> None:
         "attention_with_kvcache": lambda: api.attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=False,
                                                                      check_indices=False),
         "ops.decode launcher": lambda: decode.attention_with_kvcache(q, k, v, None, None, lens, None, 0.1, False, 0),
+        "ops.decode launcher, max_seqlen_k one longer each call (as check_indices=True gives)": lambda: (
+            decode.attention_with_kvcache(q, k, v, None, None, lens, None, 0.1, False, 0,
+                                          max_seqlen_k=2048 + next(growing))),
     }
+    growing = itertools.count()
     for name, fn in calls.items():
-        for _ in range(200):
+        print(f"{name}: {_best_us(fn, reps, warmup=200):.1f} us (min of 5 x {reps})", flush=True)
+
+
+def time_step(reps: str = "300") -> None:
+    """Host time of one training call through the public API: ``attention(q, k, v, causal=True)`` and
+    ``torch.autograd.grad`` of its output, B, N, H, d from PROBE_SHAPE (default 4 512 16 128), bf16, the H200's
+    tiles; CPU tensors stand in for CUDA ones and the API is told the backend is Triton."""
+    import onlineattn
+    from onlineattn import api
+    from onlineattn.ops import _configs, backward, forward
+
+    reps = int(reps)
+    api._resolve_backend = lambda backend, **tensors: "triton"
+    forward.fwd_config = lambda d, dv, dtype, causal, device_type, **kw: _configs.fwd_config(d, dv, dtype, causal,
+                                                                                              "cuda", **kw)
+    backward.bwd_config = lambda d, dv, dtype, device_type: _configs.bwd_config(d, dv, dtype, "cuda")
+    b, n, h, d = (int(x) for x in os.environ.get("PROBE_SHAPE", "4 512 16 128").split())
+    leaves = [torch.randn(b, n, h, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+
+    def step():
+        o = onlineattn.attention(*leaves, causal=True)
+        torch.autograd.grad(o, leaves, o)
+
+    for label, fn in (("forward, no graph", lambda: onlineattn.attention(*(x.detach() for x in leaves), causal=True)),
+                      ("forward + autograd.grad", step)):
+        best = _best_us(fn, reps, warmup=30)
+        print(f"B={b} N={n} H={h} d={d} causal, {label}: {best:.1f} us (min of 5 x {reps})", flush=True)
+
+
+def _best_us(fn, reps: int, warmup: int) -> float:
+    """Microseconds per call of ``fn``: the best of 5 timed loops of ``reps`` calls, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(reps):
             fn()
-        best = float("inf")
-        for _ in range(5):
-            t = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            best = min(best, (time.perf_counter() - t) / reps * 1e6)
-        print(f"{name}: {best:.1f} us (min of 5 x {reps})", flush=True)
+        best = min(best, (time.perf_counter() - t) / reps * 1e6)
+    return best
 
 
 def gpu(*indices: str) -> None:
@@ -155,7 +192,7 @@ def gpu(*indices: str) -> None:
 def check(*indices: str) -> None:
     """Forward, backward and decode over the cases of tests/ops/test_launch.py (those at ``indices``, else all; each
     distinct specialisation compiles once, seconds each), every call twice: a miss, then a hit."""
-    from onlineattn.ops import _launch, backward, decode, forward
+    from onlineattn.ops import _launch, backward, forward
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine: real launches, real driver
     launched = []
@@ -169,8 +206,20 @@ def check(*indices: str) -> None:
             print(f"MISMATCH {kernel.fn.__name__}", flush=True)
         return compiled
 
-    for module in (forward, backward, decode):
+    for module in (forward, backward, _launch):  # decode launches through _launch.prepare, which calls launch
         module.launch = checked
+    relaunch = _launch.Relaunch.__call__
+
+    def checked_relaunch(self, grid, tensors):  # decode's repeats: the kernel run() would pick for the same call
+        done = relaunch(self, grid, tensors)
+        if done:
+            expected = self.kernel.run(*tensors, *self.rest, grid=grid, warmup=True, **self.options)
+            launched.append(self.compiled is expected)
+            if self.compiled is not expected:
+                print(f"MISMATCH relaunch {self.kernel.fn.__name__}", flush=True)
+        return done
+
+    _launch.Relaunch.__call__ = checked_relaunch
     misses = []  # launches that went through run() (warmup=False): the rest were cache hits
     run = triton.runtime.jit.JITFunction.run
 
@@ -200,6 +249,6 @@ if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "time"
     if not torch.cuda.is_available():
         triton.runtime.driver.set_active(Sm90NoLaunch())
-    elif mode in ("time", "decode"):
+    elif mode in ("time", "decode", "step"):
         raise SystemExit("time stubs the launches: run it where CUDA is absent (on the GPU: probe_host.py)")
-    {"time": time_calls, "decode": time_decode, "check": check, "gpu": gpu}[mode](*sys.argv[2:])
+    {"time": time_calls, "decode": time_decode, "step": time_step, "check": check, "gpu": gpu}[mode](*sys.argv[2:])

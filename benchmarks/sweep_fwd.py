@@ -41,11 +41,11 @@ CANDIDATES = {
 def _parse_tiles(text):
     tiles = []
     for item in text.split(","):
-        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)t([01])", item.strip())
+        m = re.fullmatch(r"(\d+)x(\d+)w(\d+)s(\d+)t([01])(p[01])?", item.strip())
         if not m:
             raise SystemExit(f"--tiles: cannot read {item!r}")
-        bm, bn, w, st, tma = map(int, m.groups())
-        tiles.append(FwdConfig(bm, bn, w, st, bool(tma)))
+        bm, bn, w, st, tma = map(int, m.groups()[:5])
+        tiles.append(FwdConfig(bm, bn, w, st, bool(tma), pipeline=m.group(6) == "p1"))
     return tiles
 
 
@@ -71,7 +71,8 @@ def main():
                     help="batch size (default: the peers' grid, 16384 // N; give 1 for N > 16384)")
     ap.add_argument("--heads", type=int, default=None, help="heads (default: the peers' grid, 2048 // d)")
     ap.add_argument("--tiles", default=None,
-                    help="only these tiles, e.g. '64x64w4s3t1,128x128w8s3t1' (block_m x block_n, warps, stages, tma)")
+                    help="only these tiles, e.g. '64x64w4s3t1,128x128w8s3t1p1' (block_m x block_n, warps, stages, tma, "
+                         "and p1 for the software-pipelined key loop)")
     args = ap.parse_args()
     results = []
     _warm_up(seconds=3.0)  # a cool GPU reads ~7% fast for the first second or so (NOTES.md): rank on a warm one
@@ -107,6 +108,7 @@ def main():
                 scores.sort(key=lambda t: -t[0])
                 top = ", ".join(
                     f"{tf:.0f} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} tma{int(c.tma)} g{c.heads_per_group}"
+                    f" p{int(c.pipeline)}"
                     for tf, c in scores[:6]
                 )
                 print(f"d={d} causal={int(causal)} N={n}: {top}", flush=True)

@@ -280,3 +280,26 @@ def test_blockwise_custom_ops_pass_opcheck():
     do = torch.randn_like(o)
     for dlse in (None, torch.randn_like(lse)):
         torch.library.opcheck(torch.ops.onlineattn.blockwise_bwd, (do, q.detach(), k.detach(), v, o, lse, dlse, 0.25, True))
+
+
+def test_plain_eager_sees_subclasses_and_functorch():
+    """Calls may skip their custom ops only with plain tensors and no functorch transform (nor torch.compile)."""
+    from onlineattn.torch_impl import plain_eager
+
+    class Sub(torch.Tensor):
+        pass
+
+    x = torch.zeros(2)
+    assert plain_eager(x, None) and not plain_eager(x, x.as_subclass(Sub))
+    seen = []
+    torch.func.vmap(lambda y: seen.append(plain_eager(y)) or y)(torch.zeros(3, 2))
+    assert seen == [False]
+    assert plain_eager(torch.nn.Parameter(x))
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        assert not plain_eager(x)

@@ -145,6 +145,20 @@ def test_variant_matches_oracle(name, backend, dtype):
     run_case(CASES[name], backend, dtype, device=DEVICE if backend == "triton" else "cpu", seed=len(name))
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_variant_through_the_pipelined_forward_loop(name, monkeypatch):
+    """Every variant through the forward's software-pipelined key loop (16-key blocks, so the unmasked loop of the
+    longer cases runs several iterations)."""
+    from onlineattn.ops import forward as F
+
+    table = F.fwd_config
+    monkeypatch.setattr(F, "fwd_config", lambda *a, **kw: dataclasses.replace(table(*a, **kw), block_n=16,
+                                                                                  pipeline=True))
+    case = dataclasses.replace(CASES[name], sk=CASES[name].sk + 40) if not CASES[name].bias else CASES[name]
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    run_case(case, "triton", dtype, seed=len(name))
+
+
 def test_softcap_tames_logits_near_fp16_overflow():
     """q scaled by 60 in float16: raw scores in the thousands, capped to ±20."""
     run_case(Case(softcap=20.0, causal=True, q_scale=60.0, sq=33, sk=47, d=64, dv=64), "triton", torch.float16)

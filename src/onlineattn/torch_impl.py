@@ -362,12 +362,22 @@ def save_for_backward(ctx, inputs, output):
                        mods.max_seqlen_k)
 
 
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)  # a Parameter's __torch_function__ is the plain one
+
+
+def plain_eager(*tensors) -> bool:
+    """No torch.compile or functorch tracing, no TorchDispatchMode (selective checkpointing, make_fx, FLOP counters:
+    they must see the op), and every tensor given (None skipped) a plain ``torch.Tensor`` or ``Parameter`` (no fake,
+    functional or other subclass): a call that may skip its custom op and run the implementation directly."""
+    return (not torch.compiler.is_compiling() and not torch._C._are_functorch_transforms_active()
+            and not torch._C._len_torch_dispatch_stack()
+            and all(x is None or type(x) in _PLAIN_TYPES for x in tensors))
+
+
 def _eager(*tensors) -> bool:
-    """True in a plain eager backward: no graph being built over it (double backward must reach the op, which refuses
-    it), no torch.compile or functorch tracing, no tensor subclass (fake, functional). Only then may a backward skip
-    its custom op and call the implementation directly."""
-    return (not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and not torch._C._are_functorch_transforms_active() and all(type(x) is torch.Tensor for x in tensors))
+    """True in a plain eager backward: ``plain_eager`` and no graph being built over it (double backward must reach
+    the op, which refuses it)."""
+    return not torch.is_grad_enabled() and plain_eager(*tensors)
 
 
 def autograd_formula(backward_op, direct):

@@ -300,14 +300,35 @@ def test_split_heuristic():
     assert C.decode_num_splits(1, 10**7, 1000, block) == C.DECODE_MAX_SPLITS
 
 
+def test_growing_lengths_reuse_one_step(monkeypatch):
+    """The step memo leaves the lengths out of its key (they grow by one per decoding step): the split count is
+    recomputed, the plan and its relaunches are kept."""
+    monkeypatch.setattr(D, "_STEPS", {})
+    q, k, v = _sequence(2, 64, 4, 2, 16, 16, torch.float32, seed=13)
+    lens = torch.full((2,), 40, dtype=torch.int32, device=DEVICE)
+    for longest in (40, 41, 42, 64):
+        D.attention_with_kvcache(q[:, :1], k, v, None, None, lens, None, 0.25, True, 0, max_seqlen_k=longest)
+    assert len(D._STEPS) == 1
+
+
+def test_decode_tiles_count_row_blocks_and_given_splits():
+    """The one-program-per-SM tile needs the programs actually launched: row blocks and an explicit split count
+    count."""
+    pick = lambda programs, length, splits=0: C.decode_config(  # noqa: E731
+        128, 128, torch.bfloat16, "cuda", batch_heads=programs, max_seqlen_k=length, num_sms=132, num_splits=splits)
+    assert pick(128, 4096) == C.DecodeConfig(64, 64, 4, 3)  # B = 16 x 8 kv heads, one row block, one split
+    assert pick(256, 4096) == C.DecodeConfig(64, 64, 4, 2)  # two row blocks each
+    assert pick(128, 4096, splits=16) == C.DecodeConfig(64, 64, 4, 2)
+
+
 def test_decode_tiles():
-    """Grids split to fill the SMs take 128-key blocks over short caches and 3 stages over long ones; full grids
-    64-key, 4-warp, 2-stage tiles."""
+    """Grids of at most one program per SM (after the automatic split) take 3 stages; fuller grids 64-key, 4-warp,
+    2-stage tiles."""
     pick = lambda bh, length: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=bh, max_seqlen_k=length,
                                               num_sms=132)
-    assert pick(8, 4096) == C.DecodeConfig(128, 64, 4, 2)
-    assert pick(8, 32768) == pick(8, 0) == C.DecodeConfig(64, 64, 4, 3)
-    for bh, length in ((128, 4096), (512, 131072)):
+    for bh, length in ((8, 4096), (8, 32768), (8, 0), (128, 4096), (128, 0)):  # B = 1 splits 16 ways; 128 x 1
+        assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 3)
+    for bh, length in ((128, 32768), (512, 4096), (512, 131072), (256, 4096)):
         assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 2)
     assert C.decode_config(128, 128, torch.float32, "cuda", batch_heads=8, max_seqlen_k=4096, num_sms=132).block_n == 32
 

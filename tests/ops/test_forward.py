@@ -1,6 +1,8 @@
 """Triton forward kernel against the oracle. Without CUDA these run through Triton's interpreter on CPU tensors
 (fp32 and fp16; the interpreter's bf16 dot is wrong); with CUDA they run on the GPU, plus bf16 and large shapes."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -27,13 +29,13 @@ def _inputs(b, sq, sk, hq, hkv, d, dv, dtype, *, seed, q_scale=1.0, device=DEVIC
     return q, k, v
 
 
-def _run_poisoned(q, k, v, causal, scale=None):
+def _run_poisoned(q, k, v, causal, scale=None, config=None):
     """Launch into NaN-filled outputs, so an element the kernel never writes fails the comparison."""
     b, sq, hq, _ = q.shape
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o = torch.full((b, sq, hq, v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float32, device=q.device)
-    return F.forward(q, k, v, scale, causal, out=o, lse_out=lse)
+    return F.forward(q, k, v, scale, causal, out=o, lse_out=lse, config=config)
 
 
 def _check(q, k, v, causal, o, lse, scale=None):
@@ -182,6 +184,35 @@ def test_inference_and_autograd_paths_agree_bitwise():
     assert torch.equal(direct[0], through_op[0]) and torch.equal(direct[1], through_op[1])
 
 
+def test_eager_training_skips_the_custom_ops_and_matches_them(monkeypatch):
+    """A plain eager call that needs a graph runs the kernels under an autograd.Function, not through the custom ops
+    (whose dispatch costs more host time than the launches); its outputs and gradients equal the op path's bitwise."""
+    q, k, v = _inputs(1, 33, 40, 4, 2, 64, 64, torch.float16, seed=10)
+    do = torch.randn(1, 33, 4, 64, dtype=torch.float16, device=DEVICE)
+    through_op = [x.clone().requires_grad_() for x in (q, k, v)]
+    o_op, lse_op = torch.ops.onlineattn.attention_fwd(*through_op, 0.125, True)
+    o_op.backward(do)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the custom op was called")
+
+    monkeypatch.setattr(F, "attention_fwd", refuse)
+    eager = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = onlineattn.attention(*eager, causal=True, softmax_scale=0.125, return_lse=True, backend="triton")
+    o.backward(do)
+    assert torch.equal(o, o_op) and torch.equal(lse, lse_op)
+    for a, b in zip(eager, through_op):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_eager_training_refuses_double_backward():
+    q, k, v = (x.requires_grad_() for x in _inputs(1, 9, 9, 2, 2, 16, 16, torch.float32, seed=11))
+    o = onlineattn.attention(q, k, v, causal=True, backend="triton")
+    (dq,) = torch.autograd.grad(o.sum(), q, create_graph=True)
+    with pytest.raises((NotImplementedError, RuntimeError), match="double backward|does not require grad"):
+        torch.autograd.grad(dq.sum(), q)
+
+
 def test_vmap_runs_through_the_op():
     """Under torch.func.vmap the tensors have no storage of their own: the call goes through the custom op (whose
     batching falls back to a loop) rather than to the launcher, and equals attention per example."""
@@ -226,6 +257,42 @@ def test_longest_first_order_covers_every_tile(heads_per_group):
     lse = torch.full((5, 2, 70), float("nan"), dtype=torch.float32, device=q.device)
     F.forward(q, k, v, 32**-0.5, True, out=o, lse_out=lse, config=cfg)
     _check(q, k, v, True, o, lse)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES[2:], ids=lambda s: "x".join(map(str, s)))
+def test_pipelined_key_loop_matches_oracle(shape, causal):
+    """The software-pipelined unmasked loop (softmax of block j beside P·V of block j-1): same rule as the plain
+    loop, on shapes with zero, one and several unmasked key blocks per tile (32-key blocks)."""
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    q, k, v = _inputs(*shape, dtype, seed=sum(shape))
+    cfg = fwd_config(shape[5], shape[6], dtype, causal, q.device.type)
+    o, lse = _run_poisoned(q, k, v, causal, config=replace(cfg, block_n=32, pipeline=True))
+    _check(q, k, v, causal, o, lse)
+
+
+def test_long_plain_launches_take_the_pipelined_loops():
+    """The table's choice (ops/_configs.py): d = 128 and 256 from PIPELINE_MIN_KEYS keys on, plain launches only."""
+    from onlineattn.ops._configs import PIPELINE_MIN_KEYS
+
+    pick = lambda d, sk, **kw: fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=sk, seqlen_k=sk, **kw)
+    assert pick(128, PIPELINE_MIN_KEYS).pipeline and pick(256, 4 * PIPELINE_MIN_KEYS).pipeline
+    assert pick(128, PIPELINE_MIN_KEYS).heads_per_group == 4  # otherwise the causal d = 128 tile
+    assert not pick(128, PIPELINE_MIN_KEYS - 1).pipeline and not pick(64, PIPELINE_MIN_KEYS).pipeline
+    assert not pick(128, PIPELINE_MIN_KEYS, variants=True).pipeline and not pick(128, None).pipeline
+    assert not fwd_config(128, 128, torch.float32, True, "cuda", seqlen_k=PIPELINE_MIN_KEYS).pipeline
+
+
+@gpu
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_pipelined_key_loop_large_bf16(d, causal):
+    q, k, v = _inputs(2, 2053, 2053, 4, 2, d, d, torch.bfloat16, seed=d, device="cuda")
+    cfg = fwd_config(d, d, torch.bfloat16, causal, "cuda")
+    o, lse = _run_poisoned(q, k, v, causal, config=replace(cfg, pipeline=True))
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "unwritten elements"
+    for rows in (slice(0, 256), slice(1000, 1256), slice(2053 - 256, 2053)):
+        _check_rows(q, k, v, causal, o, lse, rows)
 
 
 def test_offsets_beyond_int32_are_refused_before_launch():

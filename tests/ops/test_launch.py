@@ -138,8 +138,13 @@ def recorded(monkeypatch):
     def record(kernel, grid, *args, **kwargs):
         calls.append((kernel, grid, args, kwargs))
 
-    for module in (forward, backward, decode):
+    def record_prepare(kernel, grid, n_tensors, *args, **kwargs):
+        record(kernel, grid, *args, **kwargs)
+        assert all(isinstance(x, torch.Tensor) for x in args[:n_tensors])
+
+    for module in (forward, backward):
         monkeypatch.setattr(module, "launch", record)
+    monkeypatch.setattr(decode, "prepare", record_prepare)
     return calls
 
 
@@ -353,3 +358,72 @@ def test_interpreted_kernels_take_run():
 def test_host_arithmetic_matches_triton():
     assert [_launch.next_power_of_2(n) for n in range(4097)] == [triton.next_power_of_2(n) for n in range(4097)]
     assert all(_launch.cdiv(a, b) == triton.cdiv(a, b) for a in range(300) for b in range(1, 70))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# prepare() and Relaunch: the decode launcher repeats one launch with new tensors.
+
+
+@pytest.fixture
+def fake_decode(monkeypatch, recorded):
+    """The recorded decode launch of the plain case, on a JITFunction whose run() is a stand-in."""
+    call_case(Case(d=128, hq=8, hkv=2, dtype=torch.bfloat16))
+    kernel, grid, args, kwargs = next(c for c in recorded if c[0].fn.__name__ == "decode_kernel")
+    jit = JITFunction(kernel.fn)
+    runs = []
+    compiled = _Compiled()
+    monkeypatch.setattr(jit, "run", lambda *a, grid, warmup, **kw: runs.append(grid) or compiled)
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Driver())
+    monkeypatch.setattr(_launch, "enabled", True)
+    monkeypatch.setattr(_launch, "_CUDA_TARGET", {})
+    return jit, grid, args, kwargs, runs, compiled
+
+
+def _like(x: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """A fresh tensor of x's shape, strides and dtype, ``offset`` elements into its storage."""
+    flat = torch.empty(offset + x.untyped_storage().nbytes() // x.element_size() + 8, dtype=x.dtype)
+    return flat[offset:].as_strided(x.shape, x.stride())
+
+
+def test_relaunch_binds_new_tensors_as_run(fake_decode):
+    jit, grid, args, kwargs, runs, compiled = fake_decode
+    n = 9  # q, k_cache, v_cache, cache_seqlens, table, o, lse, work, counts
+    relaunch = _launch.prepare(jit, grid, n, *args, **kwargs)
+    assert runs == [grid] and relaunch is not None and relaunch.compiled is compiled
+    tensors = tuple(_like(x) for x in args[:n])
+    assert relaunch(grid, tensors) and runs == [grid]  # launched without run()
+    (launched,) = compiled.launches
+    bound = _launch.bind(jit, tensors + tuple(args[n:]), kwargs)[1]  # what run() would be given for that call
+    assert launched[:9] == (grid[0], grid[1], grid[2], 7, "function", "packed", None, None, None)
+    assert len(launched) == 9 + len(bound) and all(a is b for a, b in zip(launched[9:], bound))
+
+
+@pytest.mark.parametrize("change", ["alignment", "debug", "device", "disabled", "hook", "pre_run_hook", "subclass"])
+def test_relaunch_refuses_what_could_specialise_otherwise(fake_decode, monkeypatch, change):
+    jit, grid, args, kwargs, runs, compiled = fake_decode
+    relaunch = _launch.prepare(jit, grid, 9, *args, **kwargs)
+    tensors = list(args[:9])
+    if change == "pre_run_hook":
+        monkeypatch.setattr(jit, "pre_run_hooks", [print])
+    elif change == "subclass":
+
+        class Sub(torch.Tensor):
+            pass
+
+        tensors[0] = tensors[0].as_subclass(Sub)
+    elif change == "alignment":
+        tensors[0] = _like(tensors[0], offset=1)  # 2 bytes off: Triton would specialise the pointer otherwise
+    elif change == "debug":
+        monkeypatch.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
+    elif change == "device":
+        monkeypatch.setattr(_Driver, "get_current_device", lambda self: 1)
+    elif change == "disabled":
+        monkeypatch.setattr(_launch, "enabled", False)
+    elif change == "hook":
+        monkeypatch.setattr(knobs.runtime.launch_enter_hook, "calls", [print])
+    assert not relaunch(grid, tuple(tensors)) and compiled.launches == []
+
+
+def test_prepare_needs_leading_tensors(fake_decode):
+    jit, grid, args, kwargs, runs, compiled = fake_decode
+    assert _launch.prepare(jit, grid, 8, *args, **kwargs) is None  # the ninth argument is a tensor too

@@ -20,13 +20,21 @@ def online_softmax_step(qk, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
     Only a masked block can leave a row with no visible key so far (``m_new = -inf``); there the max is replaced by 0
     so that ``2^(-inf - 0) = 0`` rather than NaN. Unmasked blocks skip that select.
     """
+    p, m_new, l_new, alpha = softmax_probs(qk, m_i, l_i, qk_scale, MASKED)
+    return p, m_new, l_new, acc * alpha[:, None]
+
+
+@triton.jit
+def softmax_probs(qk, m_i, l_i, qk_scale, MASKED: tl.constexpr):
+    """``online_softmax_step`` without touching the accumulator: ``(p, m_new, l_new, alpha)``, where the caller owes
+    ``acc * alpha`` before adding ``p @ v``. Lets a kernel defer that rescale (see the forward's pipelined loop)."""
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
     if MASKED:
         m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(qk * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_new = l_i * alpha + tl.sum(p, 1)
-    return p, m_new, l_new, acc * alpha[:, None]
+    return p, m_new, l_new, alpha
 
 
 @triton.jit

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,6 +16,7 @@ class FwdConfig:
     tma: bool = False  # K/V through tensor descriptors (the bulk copy engine) where strides allow
     warp_specialize: bool = False  # tl.range(warp_specialize=True) on the unmasked key loop (see the note below)
     heads_per_group: int = 1  # programs run longest-first across groups of this many (batch, kv head) columns
+    pipeline: bool = False  # the unmasked key loop overlaps block j's softmax with block j-1's P·V (forward.py)
 
 
 # Interpreter runs (CPU tensors, TRITON_INTERPRET=1): bigger tiles mean fewer Python-level programs; stages and warps
@@ -45,6 +46,16 @@ _FWD_HALF = {
     256: FwdConfig(64, 64, 4, 3, tma=True),
 }
 _FWD_HALF_CAUSAL = {**_FWD_HALF, 128: FwdConfig(64, 64, 4, 3, tma=True, heads_per_group=4)}
+# - Software-pipelined key loops (pipeline=True: block j's softmax beside block j-1's P·V; forward.py), medians of
+#   3 round-robin passes in two runs, against the same tile without: N = 16384 gained at d = 128 (causal 490 / 507
+#   vs 474 / 496, non-causal 499 / 504 vs 490 / 486) and d = 256 (causal 521 / 523 vs 503 / 504, non-causal 509 /
+#   538 vs 512 / 512); N = 4096 was within noise either way (-2% .. +4%); N = 1024 lost 2-6% (the loop's first
+#   iteration adds 0·V in place of a peeled block: one extra P·V per tile). d = 64 was flat at every N. So plain
+#   launches at d = 128 and 256 pipeline from PIPELINE_MIN_KEYS keys on. Variant launches keep the plain loops
+#   (the pipelined ones are tested with every variant through the interpreter, not timed on the GPU).
+PIPELINE_MIN_KEYS = 16384
+_FWD_LONG = {causal: {d: replace(cfg, pipeline=True) for d, cfg in table.items() if d in (128, 256)}
+             for causal, table in ((False, _FWD_HALF), (True, _FWD_HALF_CAUSAL))}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 (above)
 
 # fp32 tiles take twice the shared memory and run as ieee fp32 (exactness before speed): smaller tiles.
@@ -65,9 +76,11 @@ def _padded(d: int) -> int:
 
 
 def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool, device_type: str, *,
-               seqlen_q: int | None = None, variants: bool = False, tma_ok: bool = True) -> FwdConfig:
-    """The tile for a launch. ``seqlen_q``: query rows per sequence (None: long); ``variants``: any score variant
-    flag is on; ``tma_ok``: K and V can go through tensor descriptors (aligned strides, not packed varlen)."""
+               seqlen_q: int | None = None, seqlen_k: int | None = None, variants: bool = False,
+               tma_ok: bool = True) -> FwdConfig:
+    """The tile for a launch. ``seqlen_q``/``seqlen_k``: query rows / keys per sequence (None: unknown); ``variants``:
+    any score variant flag is on; ``tma_ok``: K and V can go through tensor descriptors (aligned strides, not packed
+    varlen)."""
     if device_type != "cuda":
         return _INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
@@ -75,6 +88,8 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
         return _FWD_FP32[padded]
     if padded == 256 and (variants or not tma_ok or (seqlen_q is not None and seqlen_q <= 512)):
         return _FWD_D256_SMALL
+    if padded in _FWD_LONG[causal] and not variants and seqlen_k is not None and seqlen_k >= PIPELINE_MIN_KEYS:
+        return _FWD_LONG[causal][padded]
     return (_FWD_HALF_CAUSAL if causal else _FWD_HALF)[padded]
 
 
@@ -180,18 +195,13 @@ _DECODE_INTERPRETER = DecodeConfig(block_n=32, block_m=64, num_warps=4, num_stag
 # - 64 keys, 4 warps, 2 stages led at B = 16 (4.39 TB/s at L = 32k, 4.47 at 128k) where 3 stages gave 4.24 / 4.37.
 #   Other head dims are not measured: they keep 64 keys and take the same 2 stages (d = 256 already had 32 keys, 2
 #   stages, to leave shared memory).
-# - B = 1, L = 4k was fastest with 128-key blocks (18.0 us): a short cache split across the SMs leaves each program
-#   a few blocks, and a larger block halves the loop trips and the per-block latency that dominates there. Used only
-#   where that case lies: a grid split to fill the SMs (at most half as many (sequence, kv head) pairs as SMs) and
-#   L <= DECODE_SHORT_CACHE. Its warps and stages were not singled out by the sweep: 4 and 2, as the 64-key winner.
 _DECODE_HALF = {16: DecodeConfig(64, 64, 4, 2), 32: DecodeConfig(64, 64, 4, 2), 64: DecodeConfig(64, 64, 4, 2),
                 128: DecodeConfig(64, 64, 4, 2), 256: DecodeConfig(32, 64, 4, 2)}
-_DECODE_HALF_SHORT = {16: DecodeConfig(128, 64, 4, 2), 32: DecodeConfig(128, 64, 4, 2),
-                      64: DecodeConfig(128, 64, 4, 2), 128: DecodeConfig(128, 64, 4, 2)}
-DECODE_SHORT_CACHE = 4096
-# - A long cache over a grid split to fill the SMs (B = 1) runs about one program per SM, so each program alone must
-#   keep enough loads in flight: 3 stages, as in v1, which streamed B = 1, L = 128k at 3.38 TB/s (graph) where
-#   2 stages at the same split count give 2.40 (bench rows of 369cefa).
+# - A grid of at most one program per SM (B * Hkv * automatic splits <= SMs: B = 1 at any length, B = 16 at L = 4k,
+#   one split of 128 pairs) has each program alone on its SM, so it must keep more loads in flight itself: 3 stages.
+#   sweep_decode.py at 3d9bcdd (graph-timed): B = 16, L = 4k 107.8 us with 2 stages -> 66.9 us with 3 (best seen:
+#   64.4, 128 keys and 3 stages); B = 1, L = 4k 16 splits 12.3 -> 11.6 us (the former 128-key short-cache tile with 8
+#   splits: 12.4); B = 1, L = 128k 2.40 -> 3.38 TB/s at 369cefa. Over full grids 2 stages stay (above).
 _DECODE_HALF_FILL = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4, 3), 64: DecodeConfig(64, 64, 4, 3),
                      128: DecodeConfig(64, 64, 4, 3)}
 # float32 (ieee dots, exactness before speed) halves the keys per block; unmeasured.
@@ -200,18 +210,17 @@ _DECODE_FP32 = {16: DecodeConfig(32, 64, 4, 2), 32: DecodeConfig(32, 64, 4, 2), 
 
 
 def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *, batch_heads: int = 0,
-                  max_seqlen_k: int = 0, num_sms: int = 0) -> DecodeConfig:
-    """The tile for a decode launch over ``batch_heads`` (sequence, kv head) pairs and keys up to ``max_seqlen_k``
-    (0: unknown, which takes the long-cache tile)."""
+                  max_seqlen_k: int = 0, num_sms: int = 0, num_splits: int = 0) -> DecodeConfig:
+    """The tile for a decode launch of ``batch_heads`` programs per split ((sequence, kv head) pairs times row
+    blocks), keys up to ``max_seqlen_k`` (0: unknown, counted as one split) and ``num_splits`` (0: automatic)."""
     if device_type != "cuda":
         return _DECODE_INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
     if dtype == torch.float32:
         return _DECODE_FP32[padded]
-    filling = 0 < 2 * batch_heads <= num_sms  # a grid split to fill the SMs: about one program per SM
-    if filling and 0 < max_seqlen_k <= DECODE_SHORT_CACHE:
-        return _DECODE_HALF_SHORT.get(padded, _DECODE_HALF[padded])
-    return _DECODE_HALF_FILL.get(padded, _DECODE_HALF[padded]) if filling else _DECODE_HALF[padded]
+    splits = num_splits or decode_num_splits(batch_heads, max_seqlen_k, num_sms, _DECODE_HALF[padded].block_n)
+    one_per_sm = 0 < batch_heads * splits <= num_sms
+    return _DECODE_HALF_FILL.get(padded, _DECODE_HALF[padded]) if one_per_sm else _DECODE_HALF[padded]
 
 
 # Split-KV rule for num_splits = 0, from the same sweep (B = 1, 16, 64 x L = 4k, 32k, 128k; Hq 32, Hkv 8, d 128;
@@ -225,7 +234,7 @@ def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_typ
 #   B = 64 (512 programs): 8 splits gave 4.46 TB/s at L = 32k (512 blocks -> 64 per chunk) and 16 gave 4.54 at
 #   128k (2048 blocks, capped at 16), against <= 4.41 for one split.
 # Every chunk keeps at least DECODE_MIN_BLOCKS_PER_SPLIT blocks (B = 1, L = 4k: 8 splits of 4 128-key blocks took
-# 18.0 us), and there are never more than DECODE_MAX_SPLITS.
+# 18.0 us in v1; 16 splits of 4 64-key blocks 11.6 us at 3d9bcdd), and there are never more than DECODE_MAX_SPLITS.
 DECODE_BALANCE_BLOCKS = 64
 DECODE_BALANCE_MAX_SPLITS = 16
 DECODE_MIN_BLOCKS_PER_SPLIT = 4

@@ -50,12 +50,13 @@ MAX_ENTRIES = 1024  # per kernel: shapes enter the key, so a stream of new shape
 class _Layout:
     """Where the tensors, descriptors and plain values sit in one kernel's bound arguments, for one tuple of types."""
 
-    __slots__ = ("values", "tensors", "descriptors")
+    __slots__ = ("values", "tensors", "tensor_positions", "descriptors")
 
     def __init__(self, types: tuple):
         positions = lambda kinds: [i for i, t in enumerate(types) if t in kinds]  # noqa: E731
         self.values = _getter(positions(_VALUE_TYPES))
         self.tensors = _getter(positions(_TENSOR_TYPES))
+        self.tensor_positions = tuple(positions(_TENSOR_TYPES))
         self.descriptors = _getter(positions({TensorDescriptor}))
 
 
@@ -165,6 +166,72 @@ def launch(kernel, grid, *args, **kwargs):
     compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
                  compiled.packed_metadata, None, None, None, *values)
     return compiled
+
+
+class Relaunch:
+    """One launch kept for repeats that differ only in their leading tensor arguments (same dtypes, same places; every
+    other argument equal): ``relaunch(grid, tensors)`` launches the compiled kernel with those tensors, or returns
+    False, launching nothing, where the call might specialise differently (a tensor's 16-byte alignment changed,
+    another device, a hook or knob set since) and so needs ``launch``. ``prepare`` makes one."""
+
+    __slots__ = ("kernel", "compiled", "rest", "types", "aligned", "device", "knobs", "options")
+
+    def __init__(self, kernel, compiled, rest: tuple, types: tuple, aligned: tuple, device, knob_values: tuple,
+                 options: dict):
+        self.kernel, self.compiled, self.rest, self.types, self.aligned = kernel, compiled, rest, types, aligned
+        self.device, self.knobs = device, knob_values
+        self.options = options  # the launch options (num_warps...): not needed to relaunch, kept for checks
+
+    def __call__(self, grid: tuple, tensors: tuple) -> bool:
+        rt = knobs.runtime
+        if not (enabled and _idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook) and not self.kernel.pre_run_hooks
+                and (rt.debug, knobs.compilation.instrumentation_mode) == self.knobs):
+            return False
+        if tuple(map(type, tensors)) != self.types or tuple([x.data_ptr() % 16 == 0 for x in tensors]) != self.aligned:
+            return False
+        device = driver.active.get_current_device()
+        if device != self.device:
+            return False
+        for (name, _), (value, globals_dict) in self.kernel.used_global_vals.items():
+            if globals_dict.get(name, _MISSING) != value:
+                return False
+        compiled = self.compiled
+        n = len(grid)
+        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                     driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata, None,
+                     None, None, *tensors, *self.rest)
+        return True
+
+
+def prepare(kernel, grid: tuple, n_tensors: int, *args, **kwargs):
+    """``launch(kernel, grid, *args, **kwargs)``, then a ``Relaunch`` of it for repeats that change only the first
+    ``n_tensors`` arguments (tensors); None where this call is not one the cache keeps, or where its tensors are not
+    exactly those first arguments."""
+    launch(kernel, grid, *args, **kwargs)
+    rt = knobs.runtime
+    if not (enabled and type(grid) is tuple and _idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook)):
+        return None
+    bound = bind(kernel, args, kwargs)
+    if bound is None:
+        return None
+    state, values, key = bound
+    if key[0].tensor_positions != tuple(range(n_tensors)):  # the tensors must lead the arguments, all of them
+        return None
+    device = driver.active.get_current_device()
+    if not _cuda_target(device):
+        return None
+    knob_values = (rt.debug, knobs.compilation.instrumentation_mode)
+    try:
+        compiled = state.entries.get((key, device, *knob_values))
+    except TypeError:
+        return None
+    if compiled is None:
+        return None
+    tensors = values[:n_tensors]
+    aligned = tuple([x.data_ptr() % 16 == 0 for x in tensors])
+    options = {name: kwargs[name] for name in key[4]}
+    return Relaunch(kernel, compiled, tuple(values[n_tensors:]), tuple(map(type, tensors)), aligned, device,
+                    knob_values, options)
 
 
 _MISSING = object()

@@ -435,9 +435,7 @@ def _preprocess(o, do, lse, dlse, delta) -> None:
     launch(
         attention_bwd_preprocess_kernel, (cdiv(sq, PREPROCESS_ROWS), b * hq),
         o, do, lse if dlse is None else dlse, delta,
-        o.stride(0), o.stride(1), o.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        delta.stride(0), delta.stride(1),
+        *o.stride()[:3], *do.stride()[:3], *delta.stride()[:2],
         sq, hq,
         HEAD_DIM_V=dv_dim, BLOCK_M=PREPROCESS_ROWS, BLOCK_DV=max(16, next_power_of_2(dv_dim)),
         HAS_DLSE=dlse is not None,
@@ -455,14 +453,9 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
         GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv_dim, BLOCK_D=block_d, BLOCK_DV=block_dv,
         CAUSAL=causal and mods.band(causal) is None, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
-    strides_in = (
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-    )
-    strides_dk = (dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2))
-    strides_dq, strides_lse = (dq.stride(0), dq.stride(1), dq.stride(2)), (lse.stride(0), lse.stride(1))
+    strides_in = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
+    strides_dk = (*dk.stride()[:3], *dv.stride()[:3])
+    strides_dq, strides_lse = dq.stride()[:3], lse.stride()[:2]
     if mods.varlen:  # one sequence per batch entry: batch strides 0, each program moves its pointers
         b, sq, sk = mods.cu_seqlens_q.shape[0] - 1, mods.max_seqlen_q, mods.max_seqlen_k
         strides_in = tuple(0 if i % 3 == 0 else x for i, x in enumerate(strides_in))

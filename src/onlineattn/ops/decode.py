@@ -36,7 +36,7 @@ from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
                       page_and_slot, row_tile)
 from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_num_splits
-from ._launch import launch, next_power_of_2
+from ._launch import next_power_of_2, prepare
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
 
 
@@ -188,22 +188,6 @@ class _Plan:
     constexprs: dict
 
 
-_PLANS: dict = {}
-_MAX_PLANS = 256  # shapes a process decodes with are few; past this the table starts over
-
-
-def _plan(q, k_cache, v_cache, block_table, cfg: DecodeConfig, causal: bool) -> _Plan:
-    paged = block_table is not None
-    key = (q.shape, q.stride(), q.dtype, k_cache.shape, k_cache.stride(), v_cache.shape, v_cache.stride(),
-           block_table.shape[1] if paged else -1, block_table.stride(0) if paged else 0, cfg, causal)
-    plan = _PLANS.get(key)
-    if plan is None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        plan = _PLANS[key] = _make_plan(q, k_cache, v_cache, block_table, cfg, causal)
-    return plan
-
-
 def _make_plan(q, k_cache, v_cache, block_table, cfg: DecodeConfig, causal: bool) -> _Plan:
     b, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
@@ -293,24 +277,70 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     longest = max_seqlen_k
     if longest is None:  # the capacity bounds every length without reading them
         longest = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
-    sms = _sm_count(device)
-    cfg = config or decode_config(q.shape[3], dv, q.dtype, device.type, batch_heads=b * hkv, max_seqlen_k=longest,
-                                  num_sms=sms)
-    plan = _plan(q, k_cache, v_cache, block_table, cfg, causal)
-    if num_splits == 0:
-        num_splits = decode_num_splits(plan.grid_bh * plan.row_blocks, longest, sms, cfg.block_n)
-    num_splits = max(1, min(num_splits, -(-longest // cfg.block_n)))  # more would only add empty chunks
-    if num_splits > 1:
-        tiles = plan.grid_bh * num_splits * sq * (hq // hkv)
+    new = 0 if k is None else k.shape[1]
+    # A step seen before (same metadata) reuses its choices. The longest length grows by one per decoding step, so it
+    # keys a second, per-step table: the tile and split count it gives, and per (tile, split count) a Relaunch.
+    key = (q.shape, q.stride(), q.dtype, device, k_cache.shape, k_cache.stride(), k_cache.dtype, v_cache.shape,
+           v_cache.stride(), v_cache.dtype, cache_seqlens.dtype,
+           None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype),
+           new, causal, scale, lse is not None, num_splits, config)
+    step = _STEPS.get(key)
+    if step is None:
+        if len(_STEPS) >= _MAX_STEPS:
+            _STEPS.clear()
+        step = _STEPS[key] = _Step()
+    choice = step.lengths.get(longest)
+    if choice is None:
+        if len(step.lengths) >= _MAX_LENGTHS:
+            step.lengths.clear()
+        choice = step.lengths[longest] = _choose(step, q, k_cache, v_cache, block_table, causal, longest, num_splits,
+                                                 config)
+    cfg, plan, splits = choice
+    if splits > 1:
+        tiles = plan.grid_bh * splits * sq * (hq // hkv)
         work, counts = _workspace(device, tiles * (dv + 1), plan.grid_bh * plan.row_blocks)
     else:
         work, counts = o, cache_seqlens  # unused: stand-ins of the right kind
-    launch(
-        decode_kernel, (plan.grid_bh, plan.row_blocks, num_splits),
-        q, k_cache, v_cache, cache_seqlens, cache_seqlens if block_table is None else block_table,
-        o, o if lse is None else lse, work, counts,
-        *plan.strides,
-        sq, 0 if k is None else k.shape[1], num_splits, scale * LOG2E,
-        SPLIT=num_splits > 1, STORE_LSE=lse is not None, **plan.constexprs,
-    )
+    tensors = (q, k_cache, v_cache, cache_seqlens, cache_seqlens if block_table is None else block_table,
+               o, o if lse is None else lse, work, counts)
+    grid = (plan.grid_bh, plan.row_blocks, splits)
+    relaunch = step.relaunches.get((cfg, splits))
+    if relaunch is None or not relaunch(grid, tensors):
+        step.relaunches[cfg, splits] = prepare(
+            decode_kernel, grid, len(tensors), *tensors, *plan.strides,
+            sq, new, splits, scale * LOG2E,
+            SPLIT=splits > 1, STORE_LSE=lse is not None, **plan.constexprs,
+        )
     return o, lse
+
+
+class _Step:
+    """What decode calls of one metadata have chosen: per longest length ``(tile, plan, split count)``, per tile its
+    plan, and per ``(tile, split count)`` a ``Relaunch`` that repeats the launch with the next step's tensors."""
+
+    __slots__ = ("lengths", "plans", "relaunches")
+
+    def __init__(self):
+        self.lengths, self.plans, self.relaunches = {}, {}, {}
+
+
+_STEPS: dict = {}
+_MAX_STEPS = 256  # metadata a process decodes with are few; past this the table starts over
+_MAX_LENGTHS = 4096  # per metadata; past this (a very long generation) the table starts over
+
+
+def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest: int, num_splits: int, config):
+    """``(tile, plan, split count)`` for keys up to ``longest``."""
+    b, sq, hq, d = q.shape
+    hkv, dv = k_cache.shape[2], v_cache.shape[3]
+    sms = _sm_count(q.device)
+    if config is None:  # programs per split: (sequence, kv head) pairs times row blocks (64 rows in every table)
+        programs = b * hkv * -(-sq * (hq // hkv) // 64)
+        config = decode_config(d, dv, q.dtype, q.device.type, batch_heads=programs, max_seqlen_k=longest,
+                               num_sms=sms, num_splits=num_splits)
+    plan = step.plans.get(config)
+    if plan is None:
+        plan = step.plans[config] = _make_plan(q, k_cache, v_cache, block_table, config, causal)
+    splits = num_splits or decode_num_splits(plan.grid_bh * plan.row_blocks, longest, sms, config.block_n)
+    splits = max(1, min(splits, -(-longest // config.block_n)))  # more would only add empty chunks
+    return config, plan, splits

@@ -17,10 +17,10 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._mods import PLAIN, Mods, bias_4d
-from ..torch_impl import FWD_SCHEMA, autograd_formula, fake_forward, save_for_backward
+from ..torch_impl import FWD_SCHEMA, autograd_formula, fake_forward, plain_eager, save_for_backward
 from ._common import (
-    LOG2E, band_key_range, finalize_state, keep_scale, key_range, online_softmax_step, row_tile, score_mod,
-    sequence_bounds, tile_order, visible,
+    LOG2E, band_key_range, finalize_state, keep_scale, key_range, row_tile, score_mod, sequence_bounds, softmax_probs,
+    tile_order, visible,
 )
 from ._configs import fwd_config
 from ._launch import cdiv, launch, next_power_of_2
@@ -48,7 +48,7 @@ def attention_fwd_kernel(
     USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, HEADS_PER_GROUP: tl.constexpr,
     VARLEN: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     ALIBI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, SINK: tl.constexpr = False,
-    DROPOUT: tl.constexpr = False,
+    DROPOUT: tl.constexpr = False, PIPELINE: tl.constexpr = False,
 ):
     # Causal tiles near the bottom have the most key blocks: launch them first so the tail of the grid is short.
     pid_m, pid_bh = tile_order(HEADS_PER_GROUP)
@@ -95,25 +95,47 @@ def attention_fwd_kernel(
         m_i = tl.load(SINKS + o_h).to(tl.float32) * 1.4426950408889634
         l_i = tl.where(m_i == float("-inf"), 0.0, 1.0)
 
+    # Common arguments of the block helpers below, in their order.
+    kargs = (K, p_kt, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, seqlen_k, diag, stride_ks, qk_scale, vargs)
+    vload = (V, p_v, pid_b, off_hkv, o_n, m_dv, seqlen_k, stride_vs)
     if WINDOW:
         for start_n in range(lo, full_lo, BLOCK_N):
-            m_i, l_i, acc = _fwd_block(
-                start_n, b_q, m_i, l_i, acc, K, V, p_kt, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, m_dv, seqlen_k,
-                diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, INPUT_PRECISION,
-                USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
-            )
-    for start_n in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        m_i, l_i, acc = _fwd_block(
-            start_n, b_q, m_i, l_i, acc, K, V, p_kt, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, m_dv, seqlen_k,
-            diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, INPUT_PRECISION,
-            USE_TMA, False, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
-        )
-    for start_n in range(full_hi, hi, BLOCK_N):
-        m_i, l_i, acc = _fwd_block(
-            start_n, b_q, m_i, l_i, acc, K, V, p_kt, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, m_dv, seqlen_k,
-            diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL, INPUT_PRECISION,
-            USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
-        )
+            m_i, l_i, acc = _fwd_block(start_n, b_q, m_i, l_i, acc, kargs, vload, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
+                                       INPUT_PRECISION, USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
+    if PIPELINE:
+        # Software-pipelined: block j's softmax runs while the tensor cores add block j-1's P·V. That dot's result
+        # is only carried to the next iteration, whose rescale by alpha (deferred one block) reads it after the
+        # wait for block j's QKᵀ, so Triton leaves it in flight across the softmax (its "properly async" wgmma
+        # rule). The first iteration adds 0 · V (p = 0, alpha = 1: exact) in place of a peeled first block, whose
+        # separate K buffer Triton would keep alive through the loop (16 KiB more shared memory: one program per
+        # SM instead of two at d = 128), and the pending block passes from the whole-block loop to the masked one
+        # without a drain between them (with one there, ptxas serialises every wgmma of the kernel at d = 128).
+        # Each block's rescale and P·V happen in the same order as in the plain loops.
+        if hi > full_lo:
+            p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            alpha = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+            for start_n in tl.range(full_lo, full_hi, BLOCK_N):
+                qk = _fwd_scores(start_n, b_q, kargs, BLOCK_N, BLOCK_D, INPUT_PRECISION, USE_TMA, False)
+                acc = _fwd_pv(tl.maximum(start_n - BLOCK_N, full_lo), p.to(b_q.dtype), acc * alpha[:, None], vload,
+                              BLOCK_N, BLOCK_DV, INPUT_PRECISION, USE_TMA, False)
+                p, m_i, l_i, alpha = _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL, False, WINDOW, SOFTCAP, ALIBI,
+                                                  HAS_BIAS, DROPOUT)
+            for start_n in range(full_hi, hi, BLOCK_N):
+                qk = _fwd_scores(start_n, b_q, kargs, BLOCK_N, BLOCK_D, INPUT_PRECISION, USE_TMA, True)
+                acc = _fwd_pv(tl.maximum(start_n - BLOCK_N, full_lo), p.to(b_q.dtype), acc * alpha[:, None], vload,
+                              BLOCK_N, BLOCK_DV, INPUT_PRECISION, USE_TMA, True)
+                p, m_i, l_i, alpha = _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL, True, WINDOW, SOFTCAP, ALIBI,
+                                                  HAS_BIAS, DROPOUT)
+            last = full_lo + (hi - 1 - full_lo) // BLOCK_N * BLOCK_N  # the block whose P is still pending
+            acc = _fwd_pv(last, p.to(b_q.dtype), acc * alpha[:, None], vload, BLOCK_N, BLOCK_DV, INPUT_PRECISION,
+                          USE_TMA, True)
+    else:
+        for start_n in tl.range(full_lo, full_hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            m_i, l_i, acc = _fwd_block(start_n, b_q, m_i, l_i, acc, kargs, vload, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
+                                       INPUT_PRECISION, USE_TMA, False, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
+        for start_n in range(full_hi, hi, BLOCK_N):
+            m_i, l_i, acc = _fwd_block(start_n, b_q, m_i, l_i, acc, kargs, vload, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
+                                       INPUT_PRECISION, USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
 
     b_o, b_lse = finalize_state(m_i, l_i, acc)
     p_o = O + off_b * stride_ob + o_i[:, None] * stride_os + o_h[:, None] * stride_oh + o_dv[None, :]
@@ -123,23 +145,54 @@ def attention_fwd_kernel(
 
 @triton.jit
 def _fwd_block(
-    start_n, b_q, m_i, l_i, acc, K, V, p_kt, p_v, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, m_dv, seqlen_k,
-    diag, stride_ks, stride_vs, qk_scale, vargs, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-    MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    start_n, b_q, m_i, l_i, acc, kargs, vload, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    """One key block ``[start_n, start_n + BLOCK_N)`` of the recurrence: scores, their variants, the visibility mask
-    when ``MASKED`` (the causal diagonal, the window's edges, the end of the keys), then ``acc += P V``."""
-    o_j = start_n + o_n
-    m_n = o_j < seqlen_k
+    """One key block ``[start_n, start_n + BLOCK_N)`` of the recurrence: probabilities (``_fwd_probs``), the rescale,
+    then ``acc += P V``."""
+    p, m_i, l_i, alpha = _fwd_probs(start_n, b_q, m_i, l_i, kargs, BLOCK_N, BLOCK_D, CAUSAL, INPUT_PRECISION, USE_TMA,
+                                    MASKED, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
+    acc = _fwd_pv(start_n, p, acc * alpha[:, None], vload, BLOCK_N, BLOCK_DV, INPUT_PRECISION, USE_TMA, MASKED)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _fwd_probs(
+    start_n, b_q, m_i, l_i, kargs, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+):
+    """Scores of one key block, then ``_fwd_softmax``: ``(p, m, l, alpha)`` with p in q's dtype."""
+    qk = _fwd_scores(start_n, b_q, kargs, BLOCK_N, BLOCK_D, INPUT_PRECISION, USE_TMA, MASKED)
+    p, m_i, l_i, alpha = _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL, MASKED, WINDOW, SOFTCAP, ALIBI, HAS_BIAS,
+                                      DROPOUT)
+    return p.to(b_q.dtype), m_i, l_i, alpha
+
+
+@triton.jit
+def _fwd_scores(start_n, b_q, kargs, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                USE_TMA: tl.constexpr, MASKED: tl.constexpr):
+    """Raw scores ``q kᵀ`` of the key block at ``start_n``, float32 ``[BLOCK_M, BLOCK_N]``."""
+    K, p_kt, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, seqlen_k, diag, stride_ks, qk_scale, vargs = kargs
     if USE_TMA:  # K and V are [B, Sk, Hkv, D] tensor descriptors; the copy engine zero-fills past the end
         b_kt = tl.trans(K.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_D))
     elif MASKED:
-        b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None] & m_n[None, :], other=0.0)
+        b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None] & (start_n + o_n < seqlen_k)[None, :], other=0.0)
     else:
         b_kt = tl.load(p_kt + start_n * stride_ks, mask=m_d[:, None], other=0.0)
-    qk = tl.dot(b_q, b_kt, input_precision=INPUT_PRECISION)
+    return tl.dot(b_q, b_kt, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
+                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr):
+    """The score variants, the visibility mask when ``MASKED`` (the causal diagonal, the window's edges, the end of
+    the keys), then one online-softmax step: ``(p, m, l, alpha)``, dropout applied to p (float32); the caller owes
+    ``acc * alpha`` before adding ``p @ v``."""
+    K, p_kt, pid_b, off_hkv, o_i, o_h, o_n, m_r, m_d, seqlen_k, diag, stride_ks, qk_scale, vargs = kargs
+    o_j = start_n + o_n
+    m_n = o_j < seqlen_k
     step_scale = qk_scale
     if SOFTCAP or ALIBI or HAS_BIAS:  # logits in the log2 domain already
         qk, _ = score_mod(qk, o_i[:, None], o_j[None, :], o_h[:, None], pid_b, m_r[:, None] & m_n[None, :], diag,
@@ -149,17 +202,24 @@ def _fwd_block(
         vis = visible(o_i[:, None], o_j[None, :], m_n[None, :], diag, vargs, CAUSAL, WINDOW)
         qk = tl.where(vis, qk, float("-inf"))
     # A bias may hold -inf anywhere, so with one every block needs the masked step's guard.
-    p, m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, step_scale, MASKED=MASKED or HAS_BIAS)
+    p, m_i, l_i, alpha = softmax_probs(qk, m_i, l_i, step_scale, MASKED=MASKED or HAS_BIAS)
+    if DROPOUT:  # the normaliser counts every probability; the output only the kept ones, scaled up
+        p = p * keep_scale(o_i[:, None], o_j[None, :], o_h[:, None], pid_b, vargs)
+    return p, m_i, l_i, alpha
+
+
+@triton.jit
+def _fwd_pv(start_n, p, acc, vload, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+            USE_TMA: tl.constexpr, MASKED: tl.constexpr):
+    """``acc + p @ v`` for the value block at ``start_n``."""
+    V, p_v, pid_b, off_hkv, o_n, m_dv, seqlen_k, stride_vs = vload
     if USE_TMA:
         b_v = V.load([pid_b, start_n, off_hkv, 0]).reshape(BLOCK_N, BLOCK_DV)
     elif MASKED:
-        b_v = tl.load(p_v + start_n * stride_vs, mask=m_n[:, None] & m_dv[None, :], other=0.0)
+        b_v = tl.load(p_v + start_n * stride_vs, mask=(start_n + o_n < seqlen_k)[:, None] & m_dv[None, :], other=0.0)
     else:
         b_v = tl.load(p_v + start_n * stride_vs, mask=m_dv[None, :], other=0.0)
-    if DROPOUT:  # the normaliser counts every probability; the output only the kept ones, scaled up
-        p = p * keep_scale(o_i[:, None], o_j[None, :], o_h[:, None], pid_b, vargs)
-    acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
-    return m_i, l_i, acc
+    return tl.dot(p, b_v, acc, input_precision=INPUT_PRECISION)
 
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -172,10 +232,11 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 def _tma_ok(*tensors) -> bool:
     """The copy engine needs a 16-byte aligned base and 16-byte multiples for the outer strides (Triton's interpreter
     emulates descriptors on CPU tensors, so tests reach this path there too)."""
-    return all(
-        x.data_ptr() % 16 == 0 and all(s * x.element_size() % 16 == 0 for s in x.stride()[:-1])
-        for x in tensors
-    )
+    for x in tensors:
+        size = x.element_size()
+        if x.data_ptr() % 16 or any(s * size % 16 for s in x.stride()[:-1]):
+            return False
+    return True
 
 
 # CUDA caps the grid's second axis (one program column per (batch, kv head)); larger batches launch in slices.
@@ -228,7 +289,8 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
         return o, lse.copy_(mods.sinks.view(hq, 1) if mods.varlen else mods.sinks.view(1, hq, 1))  # lse = the sink
     tma_ok = not mods.varlen and _tma_ok(k, v)  # a descriptor's bounds would be the whole pack, not a sequence
     cfg = config or fwd_config(q.shape[-1], dv, q.dtype, causal, q.device.type, variants=mods is not PLAIN,
-                               seqlen_q=mods.max_seqlen_q if mods.varlen else q.shape[1], tma_ok=tma_ok)
+                               seqlen_q=mods.max_seqlen_q if mods.varlen else q.shape[1],
+                               seqlen_k=mods.max_seqlen_k if mods.varlen else k.shape[1], tma_ok=tma_ok)
     use_tma = cfg.tma and tma_ok
     if mods.varlen:  # one launch over packed [1, total, H, D] views; each program finds its sequence
         q4, k4, v4, o4, lse3 = q[None], k[None], v[None], o[None], lse[None]
@@ -281,6 +343,9 @@ _PLAIN_ARGS = {  # what variant_args gives without variants, built once: the pla
 }
 
 
+_BATCH_STRIDES = frozenset({0, 3, 6, 9, 12})  # positions of q's, k's, v's, o's and lse's batch strides
+
+
 def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mods: Mods = PLAIN) -> None:
     b, sq, hq, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -290,14 +355,10 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
     if use_tma:
         k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, cfg.block_n, 1, block_d])
         v_arg = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, cfg.block_n, 1, block_dv])
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2])
     if mods.varlen:  # the grid covers the longest sequence; batch strides are 0 (pointers move per sequence)
         b, sq, sk = mods.cu_seqlens_q.shape[0] - 1, mods.max_seqlen_q, mods.max_seqlen_k
-        strides = (0, q.stride(1), q.stride(2), 0, k.stride(1), k.stride(2), 0, v.stride(1), v.stride(2),
-                   0, o.stride(1), o.stride(2), 0, lse.stride(1))
-    else:
-        strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-                   v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-                   lse.stride(0), lse.stride(1))
+        strides = tuple(0 if i in _BATCH_STRIDES else x for i, x in enumerate(strides))
     grid = (cdiv(sq * group, cfg.block_m), b * hkv)
     launch(
         attention_fwd_kernel, grid, q, k_arg, v_arg, o, lse, *strides,
@@ -307,7 +368,7 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
         BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=causal and mods.band(causal) is None, INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, HEADS_PER_GROUP=cfg.heads_per_group,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PIPELINE=cfg.pipeline, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -336,20 +397,37 @@ def _backward_direct(do, q, k, v, o, lse, dlse, scale, causal, mods, bias_grad):
     return gradients(do, q, k, v, o, lse, scale, causal, dlse, mods=mods, bias_grad=bias_grad)
 
 
-attention_fwd.register_autograd(autograd_formula(_backward_op, _backward_direct), setup_context=save_for_backward)
+_formula = autograd_formula(_backward_op, _backward_direct)
+attention_fwd.register_autograd(_formula, setup_context=save_for_backward)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The op's autograd without the op, for plain eager calls: the same setup_context and backward formula, minus
+    the dispatcher's redispatch and torch.library's per-call filling of this schema's defaults (~80 µs of host per
+    training call on the CPU machine, more than the launches)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal, *mod_args):  # ctx-style: apply() then skips binding a signature
+        output = forward(q, k, v, scale, causal, mods=Mods.from_op_args(mod_args))
+        save_for_backward(ctx, (q, k, v, scale, causal, *mod_args), output)
+        return output
+
+    backward = staticmethod(_formula)
 
 
 def attention(q, k, v, scale: float, causal: bool, mods: Mods = PLAIN):
     """Fused attention on the Triton path: ``(o, lse)``, differentiable.
 
-    Through the custom op when autograd, torch.compile or a functorch transform (vmap: its tensors have no storage
-    to launch on) needs it; otherwise the launcher is called directly, which saves the dispatcher's Python overhead
-    (tens of microseconds, as long as a whole small-shape kernel).
+    Through the custom op when torch.compile, a functorch transform (vmap: its tensors have no storage to launch on)
+    or a tensor subclass is involved. Otherwise the launcher runs directly (under ``_EagerAttention`` when autograd
+    needs a graph), which saves the dispatcher's Python overhead (tens of microseconds, as long as a whole
+    small-shape kernel).
     """
     tensors = (q, k, v, mods.attn_bias, mods.sinks)
     needs_graph = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
     if needs_graph or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        if mods is PLAIN:
-            return attention_fwd(q, k, v, scale, causal)
-        return attention_fwd(q, k, v, scale, causal, *mods.op_args())
+        args = (q, k, v, scale, causal) if mods is PLAIN else (q, k, v, scale, causal, *mods.op_args())
+        if needs_graph and plain_eager(*tensors, mods.alibi_slopes, mods.rng, mods.cu_seqlens_q, mods.cu_seqlens_k):
+            return _EagerAttention.apply(*args)
+        return attention_fwd(*args)
     return forward(q, k, v, scale, causal, mods=mods)
