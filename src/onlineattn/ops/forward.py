@@ -115,17 +115,13 @@ def attention_fwd_kernel(
             p = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             alpha = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
             for start_n in tl.range(full_lo, full_hi, BLOCK_N):
-                qk = _fwd_scores(start_n, b_q, kargs, BLOCK_N, BLOCK_D, INPUT_PRECISION, USE_TMA, False)
-                acc = _fwd_pv(tl.maximum(start_n - BLOCK_N, full_lo), p.to(b_q.dtype), acc * alpha[:, None], vload,
-                              BLOCK_N, BLOCK_DV, INPUT_PRECISION, USE_TMA, False)
-                p, m_i, l_i, alpha = _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL, False, WINDOW, SOFTCAP, ALIBI,
-                                                  HAS_BIAS, DROPOUT)
+                p, m_i, l_i, alpha, acc = _fwd_pipelined_block(
+                    start_n, full_lo, b_q, p, m_i, l_i, alpha, acc, kargs, vload, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
+                    INPUT_PRECISION, USE_TMA, False, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
             for start_n in range(full_hi, hi, BLOCK_N):
-                qk = _fwd_scores(start_n, b_q, kargs, BLOCK_N, BLOCK_D, INPUT_PRECISION, USE_TMA, True)
-                acc = _fwd_pv(tl.maximum(start_n - BLOCK_N, full_lo), p.to(b_q.dtype), acc * alpha[:, None], vload,
-                              BLOCK_N, BLOCK_DV, INPUT_PRECISION, USE_TMA, True)
-                p, m_i, l_i, alpha = _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL, True, WINDOW, SOFTCAP, ALIBI,
-                                                  HAS_BIAS, DROPOUT)
+                p, m_i, l_i, alpha, acc = _fwd_pipelined_block(
+                    start_n, full_lo, b_q, p, m_i, l_i, alpha, acc, kargs, vload, BLOCK_N, BLOCK_D, BLOCK_DV, CAUSAL,
+                    INPUT_PRECISION, USE_TMA, True, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
             last = full_lo + (hi - 1 - full_lo) // BLOCK_N * BLOCK_N  # the block whose P is still pending
             acc = _fwd_pv(last, p.to(b_q.dtype), acc * alpha[:, None], vload, BLOCK_N, BLOCK_DV, INPUT_PRECISION,
                           USE_TMA, True)
@@ -149,25 +145,32 @@ def _fwd_block(
     CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    """One key block ``[start_n, start_n + BLOCK_N)`` of the recurrence: probabilities (``_fwd_probs``), the rescale,
-    then ``acc += P V``."""
-    p, m_i, l_i, alpha = _fwd_probs(start_n, b_q, m_i, l_i, kargs, BLOCK_N, BLOCK_D, CAUSAL, INPUT_PRECISION, USE_TMA,
-                                    MASKED, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
-    acc = _fwd_pv(start_n, p, acc * alpha[:, None], vload, BLOCK_N, BLOCK_DV, INPUT_PRECISION, USE_TMA, MASKED)
+    """One key block ``[start_n, start_n + BLOCK_N)`` of the recurrence: scores, probabilities, the rescale, then
+    ``acc += P V``."""
+    qk = _fwd_scores(start_n, b_q, kargs, BLOCK_N, BLOCK_D, INPUT_PRECISION, USE_TMA, MASKED)
+    p, m_i, l_i, alpha = _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL, MASKED, WINDOW, SOFTCAP, ALIBI, HAS_BIAS,
+                                      DROPOUT)
+    acc = _fwd_pv(start_n, p.to(b_q.dtype), acc * alpha[:, None], vload, BLOCK_N, BLOCK_DV, INPUT_PRECISION, USE_TMA,
+                  MASKED)
     return m_i, l_i, acc
 
 
 @triton.jit
-def _fwd_probs(
-    start_n, b_q, m_i, l_i, kargs, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+def _fwd_pipelined_block(
+    start_n, full_lo, b_q, p, m_i, l_i, alpha, acc, kargs, vload, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
-    """Scores of one key block, then ``_fwd_softmax``: ``(p, m, l, alpha)`` with p in q's dtype."""
+    """``_fwd_block``'s steps one block apart: block ``start_n``'s scores, the previous block's rescale and P·V (its
+    ``p``, ``alpha``; the first block's previous is ``p = 0`` at ``full_lo``), then block ``start_n``'s softmax, whose
+    ``(p, m, l, alpha)`` the next call (or the drain after the loops) finishes."""
     qk = _fwd_scores(start_n, b_q, kargs, BLOCK_N, BLOCK_D, INPUT_PRECISION, USE_TMA, MASKED)
+    acc = _fwd_pv(tl.maximum(start_n - BLOCK_N, full_lo), p.to(b_q.dtype), acc * alpha[:, None], vload, BLOCK_N,
+                  BLOCK_DV, INPUT_PRECISION, USE_TMA, MASKED)
     p, m_i, l_i, alpha = _fwd_softmax(start_n, qk, m_i, l_i, kargs, CAUSAL, MASKED, WINDOW, SOFTCAP, ALIBI, HAS_BIAS,
                                       DROPOUT)
-    return p.to(b_q.dtype), m_i, l_i, alpha
+    return p, m_i, l_i, alpha, acc
 
 
 @triton.jit
