@@ -27,26 +27,22 @@ from onlineattn.ops.forward import forward
 CANDIDATES = {
     "small_d": {
         "dkdv": [
-            BwdTile(64, 64, 4, 2), BwdTile(64, 64, 4, 2, True), BwdTile(64, 64, 4, 3, True),
-            BwdTile(32, 64, 4, 3, True), BwdTile(32, 128, 4, 2, True), BwdTile(32, 128, 4, 3, True),
-            BwdTile(32, 128, 8, 3, True), BwdTile(64, 128, 8, 2, True), BwdTile(64, 128, 8, 3, True),
-            BwdTile(16, 128, 4, 4, True),
+            BwdTile(64, 64, 4, 2), BwdTile(128, 64, 8, 2, False, True),
         ],
         "dq": [
-            BwdTile(64, 64, 4, 2), BwdTile(64, 64, 4, 2, True), BwdTile(64, 64, 4, 3, True),
-            BwdTile(128, 64, 8, 2, True), BwdTile(128, 64, 8, 3, True), BwdTile(128, 32, 8, 3, True),
-            BwdTile(128, 32, 4, 3, True), BwdTile(64, 32, 4, 3, True), BwdTile(128, 128, 8, 2, True),
+            BwdTile(128, 64, 8, 3, True), BwdTile(64, 64, 8, 3, True, True), BwdTile(64, 128, 8, 2, True, True),
         ],
     },
     "d256": {
+        # 8 warps with 64 keys put Sᵀ = K Qᵀ on wgmma (M = 64); 32 keys with 4 warps run on mma.sync (sm_90 SASS:
+        # HMMA, 424 B of spills). split_scores (the last field) gives each warpgroup half of the score tile instead
+        # of all of it twice (backward.py). Fits checked with .devrun/bwd_warn.py on the CPU machine.
         "dkdv": [
-            BwdTile(64, 32, 8, 1), BwdTile(64, 32, 8, 1, True), BwdTile(32, 32, 4, 2, True),
-            BwdTile(32, 64, 8, 1, True), BwdTile(16, 64, 4, 2, True), BwdTile(32, 64, 4, 1, True),
-            BwdTile(64, 64, 8, 1, True),
+            BwdTile(64, 64, 8, 2, False, True), BwdTile(64, 64, 8, 2, True, True), BwdTile(32, 64, 8, 3, True, True),
         ],
         "dq": [
-            BwdTile(64, 32, 8, 1), BwdTile(64, 32, 8, 1, True), BwdTile(64, 32, 4, 2, True),
-            BwdTile(128, 32, 8, 1, True), BwdTile(64, 64, 8, 1, True), BwdTile(32, 64, 4, 2, True),
+            BwdTile(64, 32, 4, 3, True), BwdTile(64, 64, 8, 2, True, True), BwdTile(64, 128, 8, 1, True, True),
+            BwdTile(64, 32, 8, 3, True, True), BwdTile(64, 64, 8, 2, False, True),
         ],
     },
 }
@@ -129,6 +125,7 @@ def main():
                     scores.sort(key=lambda t: -t[0])
                     top = ", ".join(
                         f"{tf:.0f} {t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages} tma{int(t.tma)}"
+                        f"{' split' if t.split_scores else ''}"
                         for tf, t in scores[:5]
                     )
                     print(f"d={d} causal={int(causal)} N={n} {kernel}: {top}", flush=True)

@@ -159,6 +159,18 @@ def test_variant_through_the_pipelined_forward_loop(name, monkeypatch):
     run_case(case, "triton", dtype, seed=len(name))
 
 
+@pytest.mark.parametrize("name", list(CASES))
+def test_variant_through_split_score_tiles(name, monkeypatch):
+    """Every variant through the dK/dV kernel's SPLIT_SCORES branch (the d = 256 table entry on the GPU)."""
+    from onlineattn.ops import backward as B
+
+    table = B.bwd_config
+    monkeypatch.setattr(B, "bwd_config", lambda *a, **kw: dataclasses.replace(
+        table(*a, **kw), dkdv=dataclasses.replace(table(*a, **kw).dkdv, split_scores=True)))
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    run_case(CASES[name], "triton", dtype, seed=len(name) + 1)
+
+
 def test_softcap_tames_logits_near_fp16_overflow():
     """q scaled by 60 in float16: raw scores in the thousands, capped to ±20."""
     run_case(Case(softcap=20.0, causal=True, q_scale=60.0, sq=33, sk=47, d=64, dv=64), "triton", torch.float16)

@@ -100,6 +100,7 @@ class BwdTile:
     num_warps: int
     num_stages: int
     tma: bool = False  # the streamed operands (Q, dO for dK/dV; K, V for dQ) through tensor descriptors
+    split_scores: bool = False  # the score tiles split across warpgroups (backward.py, SPLIT_SCORES)
 
 
 @dataclass(frozen=True)
@@ -117,16 +118,22 @@ _BWD_INTERPRETER = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1))
 # - d = 128: dK/dV 64x64 w4 s2 with pointer loads (233-252 non-causal); the TMA variant of the same tile led causal
 #   (209-241 against 194-228) but made ptxas crash (exit -11) when compiled non-causal, at d = 64 too, as did every
 #   TMA tile with 2 stages; so no entry uses TMA with 2 stages below d = 256. dQ 128x64 w8 s3 TMA led every shape.
-#   Together: 368-378 non-causal, 344-384 causal.
-# - d = 256: dK/dV 32x32 w4 s2 TMA (108-123, every larger tile slower), dQ 64x32 w4 s2 TMA (131-145). Together
-#   only 146-167, below sdpa-flash (229-259): the two-kernel scheme spends 7 matmuls where FA2 spends 5 (its dQ is
-#   accumulated with atomics), and at d = 256 the tiles that fit are too small to make up for it.
+#   Together: 368-378 non-causal, 344-384 causal. v8: 8-warp split_scores tiles (64x64, 128x64 dK/dV; 64x64,
+#   64x128 dQ) lost to these at N = 1024 and 8192 (dK/dV 201-339 against 237-418).
+# - d = 256, first sweep: dK/dV 32x32 w4 s2 TMA (108-123), dQ 64x32 w4 s2 TMA (131-145); together 146-167, below
+#   sdpa-flash (229-259). The 32-key dK/dV tile ran on mma.sync (sm_90 SASS: HMMA, 424 B of spills): wgmma needs
+#   64 keys, and 64 keys' dK and dV accumulators need 8 warps, with which Triton computed every score tile twice.
+#   Second sweep (v8, N = 1024 / 2048 / 8192): dK/dV 64x64 w8 s2 with pointer loads and split_scores (each warpgroup
+#   half of the score tile, backward.py) led every shape: whole backward 275 / 309 / 317 non-causal and 202 / 243 /
+#   299 causal, against 164 / 164 for the old table at N = 8192 (without split_scores the same tile gave 200-267).
+#   Its TMA form makes ptxas crash (exit -11) non-causal and was no faster causal (291 vs 296). dQ 64x32 w4 s3 TMA
+#   beat 64x64 w4 s2 and every 8-warp split tile (64x64, 64x128, 64x32: 255-287 against 318 at N = 8192).
 _BWD_CUDA = {
     16: BwdConfig(BwdTile(32, 128, 4, 3, True), BwdTile(64, 64, 4, 3, True)),
     32: BwdConfig(BwdTile(32, 128, 4, 3, True), BwdTile(64, 64, 4, 3, True)),
     64: BwdConfig(BwdTile(32, 128, 4, 3, True), BwdTile(64, 64, 4, 3, True)),
     128: BwdConfig(BwdTile(64, 64, 4, 2), BwdTile(128, 64, 8, 3, True)),
-    256: BwdConfig(BwdTile(32, 32, 4, 2, True), BwdTile(64, 32, 4, 2, True)),
+    256: BwdConfig(BwdTile(64, 64, 8, 2, split_scores=True), BwdTile(64, 32, 4, 3, True)),
 }
 
 # fp32 (ieee dots): half the elements per byte of shared memory, so smaller tiles; exactness, not speed, is the aim.

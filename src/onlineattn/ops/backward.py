@@ -15,6 +15,13 @@ query ``r // GROUP`` of head ``kv_head · GROUP + r % GROUP``. Scores are in the
 
 With ``USE_TMA`` the streamed operands come through the copy engine: Q and dO in the dK/dV kernel (boxes of
 ``BLOCK_M / GROUP`` queries × ``GROUP`` heads, which are the packed rows in order), K and V in the dQ kernel.
+
+``SPLIT_SCORES`` (dK/dV kernel) computes a tile's ``Pᵀ`` and ``dSᵀ`` inside a branch that is always taken
+(``seqlen_k > 0``: no launch has empty keys). Triton gives a dot whose result reaches another dot all warps along M
+(``warpsPerTileV3``'s chained-dot rule), so with 8 warps and a 64-key tile both warpgroups computed the whole of
+``Sᵀ`` and ``dPᵀ``, each twice (sm_90 SASS: 72 HGMMA per loop instead of 40). The branch ends that forward slice at
+its yield, the score dots take the plain rule (warpgroups split the columns) and P crosses warpgroups through shared
+memory for the dV and dK dots. This is what lets d = 256 hold 64 keys with 8 warps (benchmarks/NOTES.md, v8).
 """
 
 from __future__ import annotations
@@ -91,7 +98,7 @@ def attention_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_SCORES: tl.constexpr,
     VARLEN: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     ALIBI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, SINK: tl.constexpr = False,
     DROPOUT: tl.constexpr = False,
@@ -149,23 +156,23 @@ def attention_bwd_dkdv_kernel(
         b_dk, b_dv = _dkdv_tile(
             Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
             stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
-            seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, True,
-            CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+            seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA,
+            SPLIT_SCORES, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
         )
     for start_m in range(full_lo, full_hi, BLOCK_M):
         b_dk, b_dv = _dkdv_tile(
             Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
             stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
-            seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, False,
-            CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+            seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA,
+            SPLIT_SCORES, False, CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
         )
     if WINDOW:
         for start_m in range(full_hi, hi, BLOCK_M):
             b_dk, b_dv = _dkdv_tile(
                 Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
-                seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA, True,
-                CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+                seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA,
+                SPLIT_SCORES, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
             )
 
     p_dk = DK + off_b * stride_dkb + off_hkv * stride_dkh + o_n[:, None] * stride_dks + o_d[None, :]
@@ -179,9 +186,10 @@ def _dkdv_tile(
     Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
     stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, diag, qk_scale, vargs,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_SCORES: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """One tile of packed query rows ``[start_m, start_m + BLOCK_M)`` against the program's keys: adds ``Pᵀ dO`` to dV
     and ``dSᵀ Q`` to dK. The tile is transposed (keys × rows), so the variants see ``i`` along the columns."""
@@ -195,6 +203,33 @@ def _dkdv_tile(
         b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
         b_do = tl.load(p_do, mask=m_r[:, None] & m_dv[None, :], other=0.0)
     b_lse, b_delta = _row_stats(LSE, DELTA, off_b, o_h, o_i, m_r, stride_lb, stride_lh)
+    if SPLIT_SCORES:
+        if seqlen_k > 0:  # always true at launch: see SPLIT_SCORES in the module notes
+            b_pt, b_dst = _dkdv_scores(
+                b_k, b_v, b_q, b_do, b_lse, b_delta, o_i, o_h, o_n, m_r, pid_b, seqlen_k, diag, qk_scale, vargs,
+                INPUT_PRECISION, MASKED, CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+            )
+        else:
+            b_pt = tl.zeros([BLOCK_N, BLOCK_M], dtype=b_do.dtype)
+            b_dst = tl.zeros([BLOCK_N, BLOCK_M], dtype=b_q.dtype)
+    else:
+        b_pt, b_dst = _dkdv_scores(
+            b_k, b_v, b_q, b_do, b_lse, b_delta, o_i, o_h, o_n, m_r, pid_b, seqlen_k, diag, qk_scale, vargs,
+            INPUT_PRECISION, MASKED, CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
+        )
+    b_dv += tl.dot(b_pt, b_do, input_precision=INPUT_PRECISION)
+    b_dk += tl.dot(b_dst, b_q, input_precision=INPUT_PRECISION)
+    return b_dk, b_dv
+
+
+@triton.jit
+def _dkdv_scores(
+    b_k, b_v, b_q, b_do, b_lse, b_delta, o_i, o_h, o_n, m_r, pid_b, seqlen_k, diag, qk_scale, vargs,
+    INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+):
+    """A tile's ``Pᵀ`` (dropout's kept probabilities, scaled) and ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)``, each in the dtype of
+    the operand it multiplies (dO and Q)."""
     b_st = tl.dot(b_k, tl.trans(b_q), input_precision=INPUT_PRECISION)  # Sᵀ: [BLOCK_N, BLOCK_M]
     if WINDOW or SOFTCAP or ALIBI or HAS_BIAS or DROPOUT:
         b_pt, th, keep = bwd_probs(
@@ -205,18 +240,16 @@ def _dkdv_tile(
         if MASKED:
             b_st = tl.where(o_n[:, None] <= o_i[None, :] + diag, b_st, float("-inf"))
         b_pt = tl.math.exp2(b_st * qk_scale - b_lse[None, :])
-    if DROPOUT:  # dV takes the kept probabilities, scaled; dP flows back through the same mask
-        b_dv += tl.dot((b_pt * keep).to(b_do.dtype), b_do, input_precision=INPUT_PRECISION)
-    else:
-        b_dv += tl.dot(b_pt.to(b_do.dtype), b_do, input_precision=INPUT_PRECISION)
     b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=INPUT_PRECISION)
-    if DROPOUT:
+    if DROPOUT:  # dV takes the kept probabilities, scaled; dP flows back through the same mask
         b_dpt = b_dpt * keep
+        b_pv = (b_pt * keep).to(b_do.dtype)
+    else:
+        b_pv = b_pt.to(b_do.dtype)
     b_dst = b_pt * (b_dpt - b_delta[None, :])
     if SOFTCAP:
         b_dst = b_dst * (1.0 - th * th)
-    b_dk += tl.dot(b_dst.to(b_q.dtype), b_q, input_precision=INPUT_PRECISION)
-    return b_dk, b_dv
+    return b_pv, b_dst.to(b_q.dtype)
 
 
 @triton.jit
@@ -471,8 +504,8 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     launch(
         attention_bwd_dkdv_kernel, (cdiv(sk, t.block_n), b * hkv),
         q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
-        **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, SPLIT_SCORES=t.split_scores,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )
     t = cfg.dq
     k_arg, v_arg = k, v
