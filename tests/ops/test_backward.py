@@ -87,13 +87,7 @@ def test_backward_is_bitwise_deterministic():
 def test_copy_engine_path_matches_oracle(hq, hkv):
     """Q/dO (dK/dV kernel) and K/V (dQ kernel) through tensor descriptors, which the interpreter emulates."""
     tma = BwdConfig(BwdTile(32, 32, 4, 1, tma=True), BwdTile(32, 32, 4, 1, tma=True))
-    q, k, v, do = _case(2, 37, 51, hq, hkv, 40, 24, torch.float16, seed=hq)
-    o, lse = F.forward(q, k, v, 0.2, True)
-    grads = B.backward(do, q, k, v, o, lse, 0.2, True, config=tma)
-    exact = R.naive_attention_backward(q, k, v, do, causal=True, softmax_scale=0.2)
-    base = _baseline_grads(q, k, v, do, True, scale=0.2)
-    for name, got, want, ref in zip(("dq", "dk", "dv"), grads, exact, base):
-        R.assert_within_rule(name, got, want, ref, "float16")
+    _check_config(_case(2, 37, 51, hq, hkv, 40, 24, torch.float16, seed=hq), True, tma)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -102,11 +96,16 @@ def test_split_score_tiles_match_oracle(causal, tma):
     """The dK/dV kernel with SPLIT_SCORES (its score products behind an always-taken branch; the d = 256 table entry
     on the GPU): odd lengths, Sq > Sk (causal rows with no key) and GQA."""
     split = BwdConfig(BwdTile(32, 32, 4, 1, tma=tma, split_scores=True), BwdTile(32, 32, 4, 1))
-    q, k, v, do = _case(2, 45, 33, 8, 2, 40, 24, torch.float16, seed=20 + causal)
-    o, lse = F.forward(q, k, v, 0.2, causal)
-    grads = B.backward(do, q, k, v, o, lse, 0.2, causal, config=split)
-    exact = R.naive_attention_backward(q, k, v, do, causal=causal, softmax_scale=0.2)
-    base = _baseline_grads(q, k, v, do, causal, scale=0.2)
+    _check_config(_case(2, 45, 33, 8, 2, 40, 24, torch.float16, seed=20 + causal), causal, split)
+
+
+def _check_config(inputs, causal, config, scale=0.2):
+    """float16 gradients with a given tile config against the oracle, under the rule."""
+    q, k, v, do = inputs
+    o, lse = F.forward(q, k, v, scale, causal)
+    grads = B.backward(do, q, k, v, o, lse, scale, causal, config=config)
+    exact = R.naive_attention_backward(q, k, v, do, causal=causal, softmax_scale=scale)
+    base = _baseline_grads(q, k, v, do, causal, scale=scale)
     for name, got, want, ref in zip(("dq", "dk", "dv"), grads, exact, base):
         R.assert_within_rule(name, got, want, ref, "float16")
 
