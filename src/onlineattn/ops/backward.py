@@ -203,34 +203,36 @@ def _dkdv_tile(
         b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
         b_do = tl.load(p_do, mask=m_r[:, None] & m_dv[None, :], other=0.0)
     b_lse, b_delta = _row_stats(LSE, DELTA, off_b, o_h, o_i, m_r, stride_lb, stride_lh)
+    sargs = (b_lse, b_delta, o_i, o_h, o_n, m_r, pid_b, seqlen_k, diag, qk_scale, vargs)
     if SPLIT_SCORES:
         if seqlen_k > 0:  # always true at launch: see SPLIT_SCORES in the module notes
-            b_pt, b_dst = _dkdv_scores(
-                b_k, b_v, b_q, b_do, b_lse, b_delta, o_i, o_h, o_n, m_r, pid_b, seqlen_k, diag, qk_scale, vargs,
-                INPUT_PRECISION, MASKED, CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
-            )
+            b_pt, b_pv, th, keep = _dkdv_probs(b_k, b_q, b_do, sargs, INPUT_PRECISION, MASKED, CAUSAL, WINDOW,
+                                               SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
+            b_dst = _dkdv_dscores(b_v, b_q, b_do, b_pt, th, keep, b_delta, INPUT_PRECISION, SOFTCAP, DROPOUT)
         else:
-            b_pt = tl.zeros([BLOCK_N, BLOCK_M], dtype=b_do.dtype)
+            b_pv = tl.zeros([BLOCK_N, BLOCK_M], dtype=b_do.dtype)
             b_dst = tl.zeros([BLOCK_N, BLOCK_M], dtype=b_q.dtype)
+        b_dv += tl.dot(b_pv, b_do, input_precision=INPUT_PRECISION)
     else:
-        b_pt, b_dst = _dkdv_scores(
-            b_k, b_v, b_q, b_do, b_lse, b_delta, o_i, o_h, o_n, m_r, pid_b, seqlen_k, diag, qk_scale, vargs,
-            INPUT_PRECISION, MASKED, CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
-        )
-    b_dv += tl.dot(b_pt, b_do, input_precision=INPUT_PRECISION)
+        b_pt, b_pv, th, keep = _dkdv_probs(b_k, b_q, b_do, sargs, INPUT_PRECISION, MASKED, CAUSAL, WINDOW, SOFTCAP,
+                                           ALIBI, HAS_BIAS, DROPOUT)
+        b_dv += tl.dot(b_pv, b_do, input_precision=INPUT_PRECISION)
+        b_dst = _dkdv_dscores(b_v, b_q, b_do, b_pt, th, keep, b_delta, INPUT_PRECISION, SOFTCAP, DROPOUT)
     b_dk += tl.dot(b_dst, b_q, input_precision=INPUT_PRECISION)
     return b_dk, b_dv
 
 
 @triton.jit
-def _dkdv_scores(
-    b_k, b_v, b_q, b_do, b_lse, b_delta, o_i, o_h, o_n, m_r, pid_b, seqlen_k, diag, qk_scale, vargs,
-    INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
+def _dkdv_probs(
+    b_k, b_q, b_do, sargs, INPUT_PRECISION: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
 ):
-    """A tile's ``Pᵀ`` (dropout's kept probabilities, scaled) and ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)``, each in the dtype of
-    the operand it multiplies (dO and Q)."""
-    b_st = tl.dot(b_k, tl.trans(b_q), input_precision=INPUT_PRECISION)  # Sᵀ: [BLOCK_N, BLOCK_M]
+    """A tile's ``Pᵀ`` from ``Sᵀ = K Qᵀ`` ([BLOCK_N, BLOCK_M]): in float32, and as dV's operand (dropout's kept
+    probabilities, scaled) in dO's dtype; with ``bwd_probs``'s softcap tanh and dropout scale."""
+    b_lse, b_delta, o_i, o_h, o_n, m_r, pid_b, seqlen_k, diag, qk_scale, vargs = sargs
+    b_st = tl.dot(b_k, tl.trans(b_q), input_precision=INPUT_PRECISION)
+    th = b_st
+    keep = b_st
     if WINDOW or SOFTCAP or ALIBI or HAS_BIAS or DROPOUT:
         b_pt, th, keep = bwd_probs(
             b_st, o_i[None, :], o_n[:, None], o_h[None, :], pid_b, m_r[None, :] & (o_n < seqlen_k)[:, None],
@@ -240,16 +242,24 @@ def _dkdv_scores(
         if MASKED:
             b_st = tl.where(o_n[:, None] <= o_i[None, :] + diag, b_st, float("-inf"))
         b_pt = tl.math.exp2(b_st * qk_scale - b_lse[None, :])
-    b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=INPUT_PRECISION)
     if DROPOUT:  # dV takes the kept probabilities, scaled; dP flows back through the same mask
-        b_dpt = b_dpt * keep
         b_pv = (b_pt * keep).to(b_do.dtype)
     else:
         b_pv = b_pt.to(b_do.dtype)
+    return b_pt, b_pv, th, keep
+
+
+@triton.jit
+def _dkdv_dscores(b_v, b_q, b_do, b_pt, th, keep, b_delta, INPUT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+                  DROPOUT: tl.constexpr):
+    """``dSᵀ = Pᵀ ∘ (dPᵀ − delta)`` with ``dPᵀ = V dOᵀ``, in Q's dtype."""
+    b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=INPUT_PRECISION)
+    if DROPOUT:
+        b_dpt = b_dpt * keep
     b_dst = b_pt * (b_dpt - b_delta[None, :])
     if SOFTCAP:
         b_dst = b_dst * (1.0 - th * th)
-    return b_pv, b_dst.to(b_q.dtype)
+    return b_dst.to(b_q.dtype)
 
 
 @triton.jit
