@@ -23,26 +23,35 @@ from onlineattn.ops._configs import BwdTile, bwd_config
 from onlineattn.ops.backward import backward
 from onlineattn.ops.forward import forward
 
-# BwdTile(block_m, block_n, num_warps, num_stages, tma)
+# BwdTile(block_m, block_n, num_warps, num_stages, tma, split_scores)
 CANDIDATES = {
     "small_d": {
         "dkdv": [
-            BwdTile(64, 64, 4, 2), BwdTile(128, 64, 8, 2, False, True),
+            BwdTile(64, 64, 4, 2), BwdTile(64, 64, 4, 2, True), BwdTile(64, 64, 4, 3, True),
+            BwdTile(32, 64, 4, 3, True), BwdTile(32, 128, 4, 2, True), BwdTile(32, 128, 4, 3, True),
+            BwdTile(32, 128, 8, 3, True), BwdTile(64, 128, 8, 2, True), BwdTile(64, 128, 8, 3, True),
+            BwdTile(16, 128, 4, 4, True),
+            # v8: 8 warps over 64 keys with the score tiles split across warpgroups; lost at d = 128
+            BwdTile(64, 64, 8, 2, False, True), BwdTile(128, 64, 8, 2, False, True),
         ],
         "dq": [
-            BwdTile(128, 64, 8, 3, True), BwdTile(64, 64, 8, 3, True, True), BwdTile(64, 128, 8, 2, True, True),
+            BwdTile(64, 64, 4, 2), BwdTile(64, 64, 4, 2, True), BwdTile(64, 64, 4, 3, True),
+            BwdTile(128, 64, 8, 2, True), BwdTile(128, 64, 8, 3, True), BwdTile(128, 32, 8, 3, True),
+            BwdTile(128, 32, 4, 3, True), BwdTile(64, 32, 4, 3, True), BwdTile(128, 128, 8, 2, True),
         ],
     },
     "d256": {
-        # 8 warps with 64 keys put Sᵀ = K Qᵀ on wgmma (M = 64); 32 keys with 4 warps run on mma.sync (sm_90 SASS:
-        # HMMA, 424 B of spills). split_scores (the last field) gives each warpgroup half of the score tile instead
-        # of all of it twice (backward.py). Fits checked with .devrun/bwd_warn.py on the CPU machine.
+        # 64 keys put Sᵀ = K Qᵀ on wgmma (M = 64) and need 8 warps for the dK/dV accumulators; split_scores gives each
+        # warpgroup half of the score tile instead of all of it twice (backward.py). 32 keys with 4 warps run on
+        # mma.sync. Fits checked with .devrun/bwd_warn.py on the CPU machine (the TMA forms of 64x64 w8 s2 make ptxas
+        # crash non-causal; the sweep reports it and goes on).
         "dkdv": [
-            BwdTile(64, 64, 8, 2, False, True), BwdTile(64, 64, 8, 2, True, True), BwdTile(32, 64, 8, 3, True, True),
+            BwdTile(32, 32, 4, 2, True), BwdTile(64, 64, 8, 2), BwdTile(64, 64, 8, 2, False, True),
+            BwdTile(64, 64, 8, 2, True, True), BwdTile(32, 64, 8, 3, True, True), BwdTile(32, 64, 8, 2, False, True),
         ],
         "dq": [
-            BwdTile(64, 32, 4, 3, True), BwdTile(64, 64, 8, 2, True, True), BwdTile(64, 128, 8, 1, True, True),
-            BwdTile(64, 32, 8, 3, True, True), BwdTile(64, 64, 8, 2, False, True),
+            BwdTile(64, 32, 4, 2, True), BwdTile(64, 32, 4, 3, True), BwdTile(64, 64, 4, 2, True),
+            BwdTile(128, 32, 8, 2, True),
         ],
     },
 }

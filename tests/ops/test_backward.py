@@ -99,6 +99,14 @@ def test_split_score_tiles_match_oracle(causal, tma):
     _check_config(_case(2, 45, 33, 8, 2, 40, 24, torch.float16, seed=20 + causal), causal, split)
 
 
+def test_split_scores_on_the_dq_tile_is_refused():
+    q, k, v, do = _case(1, 9, 13, 4, 2, 40, 24, torch.float16, seed=21)
+    o, lse = F.forward(q, k, v, 0.2, True)
+    bad = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1, split_scores=True))
+    with pytest.raises(ValueError, match="config"):
+        B.backward(do, q, k, v, o, lse, 0.2, True, config=bad)
+
+
 def _check_config(inputs, causal, config, scale=0.2):
     """float16 gradients with a given tile config against the oracle, under the rule."""
     q, k, v, do = inputs

@@ -100,7 +100,7 @@ class BwdTile:
     num_warps: int
     num_stages: int
     tma: bool = False  # the streamed operands (Q, dO for dK/dV; K, V for dQ) through tensor descriptors
-    split_scores: bool = False  # the score tiles split across warpgroups (backward.py, SPLIT_SCORES)
+    split_scores: bool = False  # dK/dV only: score tiles split across warpgroups (backward.py, SPLIT_SCORES)
 
 
 @dataclass(frozen=True)

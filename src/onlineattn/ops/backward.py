@@ -430,6 +430,8 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     else:
         delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
         cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type)
+        if cfg.dq.split_scores:  # measured slower at every tile tried (NOTES v8), so the dQ kernel has no branch
+            raise ValueError("config: split_scores applies to the dK/dV tile only, not to config.dq")
         group = hq // hkv
         # Packed query rows come through the copy engine when a row tile holds whole groups in order (boxes must be
         # powers of two); K and V in the dQ kernel whenever the strides allow. Not for packed sequences, whose
