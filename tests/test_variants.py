@@ -165,8 +165,12 @@ def test_variant_through_split_score_tiles(name, monkeypatch):
     from onlineattn.ops import backward as B
 
     table = B.bwd_config
-    monkeypatch.setattr(B, "bwd_config", lambda *a, **kw: dataclasses.replace(
-        table(*a, **kw), dkdv=dataclasses.replace(table(*a, **kw).dkdv, split_scores=True)))
+
+    def split(*a, **kw):
+        config = table(*a, **kw)
+        return dataclasses.replace(config, dkdv=dataclasses.replace(config.dkdv, split_scores=True))
+
+    monkeypatch.setattr(B, "bwd_config", split)
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     run_case(CASES[name], "triton", dtype, seed=len(name) + 1)
 

@@ -156,14 +156,14 @@ def attention_bwd_dkdv_kernel(
         b_dk, b_dv = _dkdv_tile(
             Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
             stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
-            seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA,
+            seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA,
             SPLIT_SCORES, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
         )
     for start_m in range(full_lo, full_hi, BLOCK_M):
         b_dk, b_dv = _dkdv_tile(
             Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
             stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
-            seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA,
+            seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA,
             SPLIT_SCORES, False, CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
         )
     if WINDOW:
@@ -171,7 +171,7 @@ def attention_bwd_dkdv_kernel(
             b_dk, b_dv = _dkdv_tile(
                 Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
                 stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, seqlen_q,
-                seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA,
+                seqlen_k, diag, qk_scale, vargs, GROUP, BLOCK_M, BLOCK_D, BLOCK_DV, INPUT_PRECISION, USE_TMA,
                 SPLIT_SCORES, True, CAUSAL, WINDOW, SOFTCAP, ALIBI, HAS_BIAS, DROPOUT,
             )
 
@@ -186,9 +186,8 @@ def _dkdv_tile(
     Q, DO, LSE, DELTA, b_k, b_v, b_dk, b_dv, start_m, o_n, o_d, o_dv, m_d, m_dv, pid_b, off_b, off_hkv,
     stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, diag, qk_scale, vargs,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_DV: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_SCORES: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_SCORES: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """One tile of packed query rows ``[start_m, start_m + BLOCK_M)`` against the program's keys: adds ``Pᵀ dO`` to dV
@@ -203,15 +202,15 @@ def _dkdv_tile(
         b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
         b_do = tl.load(p_do, mask=m_r[:, None] & m_dv[None, :], other=0.0)
     b_lse, b_delta = _row_stats(LSE, DELTA, off_b, o_h, o_i, m_r, stride_lb, stride_lh)
-    sargs = (b_lse, b_delta, o_i, o_h, o_n, m_r, pid_b, seqlen_k, diag, qk_scale, vargs)
+    sargs = (b_lse, o_i, o_h, o_n, m_r, pid_b, seqlen_k, diag, qk_scale, vargs)
     if SPLIT_SCORES:
         if seqlen_k > 0:  # always true at launch: see SPLIT_SCORES in the module notes
             b_pt, b_pv, th, keep = _dkdv_probs(b_k, b_q, b_do, sargs, INPUT_PRECISION, MASKED, CAUSAL, WINDOW,
                                                SOFTCAP, ALIBI, HAS_BIAS, DROPOUT)
             b_dst = _dkdv_dscores(b_v, b_q, b_do, b_pt, th, keep, b_delta, INPUT_PRECISION, SOFTCAP, DROPOUT)
         else:
-            b_pv = tl.zeros([BLOCK_N, BLOCK_M], dtype=b_do.dtype)
-            b_dst = tl.zeros([BLOCK_N, BLOCK_M], dtype=b_q.dtype)
+            b_pv = tl.zeros([o_n.shape[0], BLOCK_M], dtype=b_do.dtype)
+            b_dst = tl.zeros([o_n.shape[0], BLOCK_M], dtype=b_q.dtype)
         b_dv += tl.dot(b_pv, b_do, input_precision=INPUT_PRECISION)
     else:
         b_pt, b_pv, th, keep = _dkdv_probs(b_k, b_q, b_do, sargs, INPUT_PRECISION, MASKED, CAUSAL, WINDOW, SOFTCAP,
@@ -229,7 +228,7 @@ def _dkdv_probs(
 ):
     """A tile's ``Pᵀ`` from ``Sᵀ = K Qᵀ`` ([BLOCK_N, BLOCK_M]): in float32, and as dV's operand (dropout's kept
     probabilities, scaled) in dO's dtype; with ``bwd_probs``'s softcap tanh and dropout scale."""
-    b_lse, b_delta, o_i, o_h, o_n, m_r, pid_b, seqlen_k, diag, qk_scale, vargs = sargs
+    b_lse, o_i, o_h, o_n, m_r, pid_b, seqlen_k, diag, qk_scale, vargs = sargs
     b_st = tl.dot(b_k, tl.trans(b_q), input_precision=INPUT_PRECISION)
     th = b_st
     keep = b_st

@@ -36,7 +36,7 @@ from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
                       page_and_slot, row_tile)
 from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_num_splits
-from ._launch import next_power_of_2, prepare
+from ._launch import cdiv, next_power_of_2, prepare
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
 
 
@@ -194,7 +194,7 @@ def _make_plan(q, k_cache, v_cache, block_table, cfg: DecodeConfig, causal: bool
     group = hq // hkv
     paged = block_table is not None
     block_m = min(cfg.block_m, max(16, next_power_of_2(sq * group)))
-    row_blocks = -(-sq * group // block_m)
+    row_blocks = cdiv(sq * group, block_m)
     if row_blocks > MAX_GRID_Y:
         raise ValueError(f"{sq} query tokens x {group} heads per kv head need {row_blocks} row blocks, beyond the "
                          f"decode kernel's limit of {MAX_GRID_Y}; use onlineattn.attention for long prefills")
@@ -335,12 +335,12 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     sms = _sm_count(q.device)
     if config is None:  # programs per split: (sequence, kv head) pairs times row blocks (64 rows in every table)
-        programs = b * hkv * -(-sq * (hq // hkv) // 64)
+        programs = b * hkv * cdiv(sq * (hq // hkv), 64)
         config = decode_config(d, dv, q.dtype, q.device.type, batch_heads=programs, max_seqlen_k=longest,
                                num_sms=sms, num_splits=num_splits)
     plan = step.plans.get(config)
     if plan is None:
         plan = step.plans[config] = _make_plan(q, k_cache, v_cache, block_table, config, causal)
     splits = num_splits or decode_num_splits(plan.grid_bh * plan.row_blocks, longest, sms, config.block_n)
-    splits = max(1, min(splits, -(-longest // config.block_n)))  # more would only add empty chunks
+    splits = max(1, min(splits, cdiv(longest, config.block_n)))  # more would only add empty chunks
     return config, plan, splits

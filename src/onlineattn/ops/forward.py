@@ -411,7 +411,7 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal, *mod_args):  # ctx-style: apply() then skips binding a signature
-        output = forward(q, k, v, scale, causal, mods=Mods.from_op_args(mod_args))
+        output = _attention_fwd(q, k, v, scale, causal, *mod_args)
         save_for_backward(ctx, (q, k, v, scale, causal, *mod_args), output)
         return output
 
