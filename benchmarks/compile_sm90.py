@@ -74,7 +74,7 @@ def compile_plain(src: str, out: Path) -> None:
         q, k, v, do = _inputs(d, dtype)
         dt = getattr(torch, dtype)
         o, _ = F.forward(q, k, v, d**-0.5, causal, config=C.fwd_config(d, d, dt, causal, "cuda", seqlen_q=q.shape[1]))
-        B.backward(do, q, k, v, o, torch.randn(2, 8, 1024), d**-0.5, causal, config=C.bwd_config(d, d, dt, "cuda"))
+        B.backward(do, q, k, v, o, torch.randn(2, 8, 1024), d**-0.5, causal, config=C.bwd_config(d, d, dt, "cuda", causal=causal))
         _dump(compiled, out, f"{dtype}-d{d}-causal{int(causal)}")
 
 
@@ -94,7 +94,7 @@ def compile_variants(src: str, out: Path) -> None:
         for d in (64, 128, 256):
             q, k, v, do = _inputs(d, dtype, sq=1000, sk=1300)
             cfg_f = C.fwd_config(d, d, dt, True, "cuda", variants=True)
-            cfg_b = C.bwd_config(d, d, dt, "cuda")
+            cfg_b = C.bwd_config(d, d, dt, "cuda", causal=True)
             everything = Mods(300, 0, 15.0, torch.rand(2, 8), torch.randn(1, 8, 1, 1300).to(dt),
                               torch.randn(8).to(dt), 0.1, draw_rng_state(torch.Generator()))
             cu = torch.tensor([0, 500, 500, 1000], dtype=torch.int32)

@@ -72,7 +72,8 @@ def _cases():
     o, lse = torch.randn_like(q), torch.randn(b, h, n)
     for table in ("cuda", "cpu"):
         for causal in (False, True):
-            fcfg, bcfg = fwd_config(d, d, q.dtype, causal, table, seqlen_q=n), bwd_config(d, d, q.dtype, table)
+            fcfg = fwd_config(d, d, q.dtype, causal, table, seqlen_q=n)
+            bcfg = bwd_config(d, d, q.dtype, table, causal=causal)
             yield (f"B={b} N={n} H={h} d={d} causal={causal:d} {table} tiles",
                    lambda c=causal, cfg=fcfg: F.forward(q, k, v, 0.1, c, config=cfg),
                    lambda c=causal, cfg=bcfg: B.backward(do, q, k, v, o, lse, 0.1, c, config=cfg))
@@ -137,7 +138,7 @@ def time_step(reps: str = "300") -> None:
     api._resolve_backend = lambda backend, **tensors: "triton"
     forward.fwd_config = lambda d, dv, dtype, causal, device_type, **kw: _configs.fwd_config(d, dv, dtype, causal,
                                                                                               "cuda", **kw)
-    backward.bwd_config = lambda d, dv, dtype, device_type: _configs.bwd_config(d, dv, dtype, "cuda")
+    backward.bwd_config = lambda d, dv, dtype, device_type, **kw: _configs.bwd_config(d, dv, dtype, "cuda", **kw)
     b, n, h, d = (int(x) for x in os.environ.get("PROBE_SHAPE", "4 512 16 128").split())
     leaves = [torch.randn(b, n, h, d, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
 

@@ -7,6 +7,8 @@ Triton's on-disk cache; the timing then runs alone in this process, one variant 
 
 Usage (on the GPU machine): PYTHONPATH=src python3 benchmarks/sweep_bwd.py --jobs 12 --json $OUT/sweep_bwd.json
 The winners go into src/onlineattn/ops/_configs.py with the measured reason.
+Sliding window (issue #6): --window 1024 --batch 1 --heads 16 --d 128 --n 16384 --causal 1 times causal attention where
+each query sees its 1024 latest keys, FLOPs counted over the visible pairs, with the table's full causal call beside it.
 """
 
 import argparse
@@ -18,9 +20,10 @@ import sys
 import torch
 import triton.testing
 
+from onlineattn._mods import PLAIN, Mods
 from onlineattn.bench.prefill import Case
 from onlineattn.ops._configs import BwdTile, bwd_config
-from onlineattn.ops.backward import backward
+from onlineattn.ops.backward import gradients
 from onlineattn.ops.forward import forward
 
 # BwdTile(block_m, block_n, num_warps, num_stages, tma, split_scores)
@@ -67,23 +70,37 @@ def variants(head_dims, causals):
     return out
 
 
-def _inputs(case: Case):
+def _mods(window):
+    """The score variants swept: none, or a causal window of ``window`` keys (each query sees its latest ones)."""
+    return PLAIN if window is None else Mods(window_left=window - 1, window_right=0)
+
+
+def _case(args, n, d, causal):
+    return Case(args.batch or 16384 // n, args.heads or 2048 // d, n, d, causal or args.window is not None)
+
+
+def _inputs(case: Case, mods=PLAIN):
     shape = (case.b, case.n, case.h, case.d)
     q, k, v, do = (torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    o, lse = forward(q, k, v, case.d**-0.5, case.causal)
+    o, lse = forward(q, k, v, case.d**-0.5, case.causal, mods=mods)
     return do, q, k, v, o, lse
 
 
-def _config(d, kernel, tile):
-    base = bwd_config(d, d, torch.bfloat16, "cuda")
+def _backward(inputs, case: Case, cfg=None, mods=PLAIN):
+    return gradients(*inputs, case.d**-0.5, case.causal, config=cfg, mods=mods)
+
+
+def _config(d, causal, kernel, tile):
+    base = bwd_config(d, d, torch.bfloat16, "cuda", causal=causal)
     return dataclasses.replace(base, **{kernel: tile})
 
 
-def compile_shard(todo, n):
+def compile_shard(todo, args):
+    mods = _mods(args.window)
     for d, causal, kernel, tile in todo:
-        do, q, k, v, o, lse = _inputs(Case(16384 // n, 2048 // d, n, d, causal))
+        case = _case(args, args.n[0], d, causal)
         try:
-            backward(do, q, k, v, o, lse, d**-0.5, causal, config=_config(d, kernel, tile))
+            _backward(_inputs(case, mods), case, _config(d, causal, kernel, tile), mods)
         except Exception:  # out of shared memory or registers: the timing pass reports it
             pass
     torch.cuda.synchronize()
@@ -97,15 +114,26 @@ def main():
     ap.add_argument("--jobs", type=int, default=1, help="processes that compile the variants first")
     ap.add_argument("--shard", type=int, nargs=2, default=None, help=argparse.SUPPRESS)  # i, of: a compile worker
     ap.add_argument("--json", default=None)
+    ap.add_argument("--batch", type=int, default=None, help="batch size (default: the peers' grid, 16384 // N)")
+    ap.add_argument("--heads", type=int, default=None, help="heads (default: the peers' grid, 2048 // d)")
+    ap.add_argument("--window", type=int, default=None,
+                    help="causal sliding window of this many keys (causal forced on); the table's full causal "
+                         "time is printed beside it")
     args = ap.parse_args()
+    if args.window is not None:
+        args.causal = [1]
+    mods = _mods(args.window)
     todo = variants(args.d, list(map(bool, args.causal)))
     if args.shard is not None:
         i, of = args.shard
-        compile_shard(todo[i::of], args.n[0])
+        compile_shard(todo[i::of], args)
         return
     if args.jobs > 1:
         base = [sys.executable, __file__, "--d", *map(str, args.d), "--n", str(args.n[0]), "--causal",
                 *map(str, args.causal)]
+        for flag in ("batch", "heads", "window"):
+            if getattr(args, flag) is not None:
+                base += [f"--{flag}", str(getattr(args, flag))]
         workers = [subprocess.Popen(base + ["--shard", str(i), str(args.jobs)]) for i in range(args.jobs)]
         for w in workers:
             w.wait()
@@ -113,21 +141,23 @@ def main():
     for d in args.d:
         for causal in map(bool, args.causal):
             for n in args.n:
-                case = Case(16384 // n, 2048 // d, n, d, causal)
-                inputs = _inputs(case)
+                case = _case(args, n, d, causal)
+                inputs = _inputs(case, mods)
+                flops = case.flops("bwd", args.window)
                 best = {}
                 for _, _, kernel, tile in [t for t in todo if t[0] == d and t[1] == causal]:
-                    cfg = _config(d, kernel, tile)
+                    cfg = _config(d, causal, kernel, tile)
                     try:
                         ms = triton.testing.do_bench(
-                            lambda: backward(*inputs, d**-0.5, causal, config=cfg), warmup=10, rep=40,
+                            lambda: _backward(inputs, case, cfg, mods), warmup=10, rep=40,
                             return_mode="median",
                         )
                     except Exception as err:
                         print(f"  d={d} {kernel} {tile}: {type(err).__name__}: {str(err).splitlines()[0][:100]}")
                         continue
-                    tf = case.flops("bwd") / ms / 1e9
-                    results.append({"d": d, "causal": causal, "n": n, "kernel": kernel, "tile": tile.__dict__,
+                    tf = flops / ms / 1e9
+                    results.append({"d": d, "causal": causal, "n": n, "window": args.window, "kernel": kernel,
+                                    "tile": tile.__dict__,
                                     "ms": round(ms, 4), "tflops": round(tf, 1)})
                     best.setdefault(kernel, []).append((tf, tile))
                 for kernel, scores in best.items():
@@ -140,11 +170,18 @@ def main():
                     print(f"d={d} causal={int(causal)} N={n} {kernel}: {top}", flush=True)
                 winners = {kernel: scores[0][1] for kernel, scores in best.items()}
                 if len(winners) == 2:
-                    cfg = dataclasses.replace(bwd_config(d, d, torch.bfloat16, "cuda"), **winners)
-                    ms = triton.testing.do_bench(lambda: backward(*inputs, d**-0.5, causal, config=cfg), warmup=10,
-                                                 rep=40, return_mode="median")
-                    print(f"d={d} causal={int(causal)} N={n} both winners: {case.flops('bwd') / ms / 1e9:.0f}",
+                    cfg = dataclasses.replace(bwd_config(d, d, torch.bfloat16, "cuda", causal=causal), **winners)
+                    ms = triton.testing.do_bench(lambda: _backward(inputs, case, cfg, mods), warmup=10, rep=40,
+                                                 return_mode="median")
+                    print(f"d={d} causal={int(causal)} N={n} both winners: {flops / ms / 1e9:.0f} ({ms:.4f} ms)",
                           flush=True)
+                if args.window is not None:
+                    table = _inputs(case)
+                    full = triton.testing.do_bench(lambda: _backward(table, case), warmup=10, rep=40,
+                                                   return_mode="median")
+                    print(f"d={d} N={n}: full causal backward (table) {full:.4f} ms", flush=True)
+                    results.append({"d": d, "n": n, "full_causal_ms": round(full, 4)})
+                    del table
                 del inputs
     if args.json:
         with open(args.json, "w") as f:

@@ -2,6 +2,8 @@
 
 Usage (on the GPU machine): PYTHONPATH=src python3 benchmarks/sweep_fwd.py --json $OUT/sweep.json
 Long sequences (one 512k-token call takes seconds): --batch 1 --heads 16 --d 128 --n 131072 524288 --causal 1
+Sliding window (issue #6): --window 1024 times causal attention where each query sees its 1024 latest keys
+(window_size=(1023, 0)), FLOPs counted over the visible pairs, with the table's full causal call beside it.
 The winners go into src/onlineattn/ops/_configs.py with the measured reason.
 """
 
@@ -15,6 +17,7 @@ from dataclasses import replace
 import torch
 import triton.testing
 
+from onlineattn._mods import PLAIN, Mods
 from onlineattn.bench.prefill import Case
 from onlineattn.ops._configs import FwdConfig
 from onlineattn.ops.forward import forward
@@ -73,11 +76,16 @@ def main():
     ap.add_argument("--tiles", default=None,
                     help="only these tiles, e.g. '64x64w4s3t1,128x128w8s3t1p1' (block_m x block_n, warps, stages, tma, "
                          "and p1 for the software-pipelined key loop)")
+    ap.add_argument("--window", type=int, default=None,
+                    help="causal sliding window of this many keys (causal is forced on); the table's full causal "
+                         "time is printed beside it")
     args = ap.parse_args()
+    mods = PLAIN if args.window is None else Mods(window_left=args.window - 1, window_right=0)
+    causals = [1] if args.window is not None else args.causal
     results = []
     _warm_up(seconds=3.0)  # a cool GPU reads ~7% fast for the first second or so (NOTES.md): rank on a warm one
     for d in args.d:
-        for causal in map(bool, args.causal):
+        for causal in map(bool, causals):
             for n in args.n:
                 case = Case(args.batch or 16384 // n, args.heads or 2048 // d, n, d, causal)
                 if case.b < 1:
@@ -92,19 +100,28 @@ def main():
                             continue
                         try:
                             times[cfg].append(triton.testing.do_bench(
-                                lambda: forward(q, k, v, d**-0.5, causal, config=cfg), warmup=10, rep=40,
+                                lambda: forward(q, k, v, d**-0.5, causal, config=cfg, mods=mods), warmup=10, rep=40,
                                 return_mode="median",
                             ))
                         except Exception as err:  # out of shared memory or registers for this tile
                             times[cfg] = None
                             msg = str(err).splitlines()[0][:100] if str(err) else ""
                             print(f"  d={d} {cfg}: {type(err).__name__}: {msg}")
+                flops = case.flops("fwd", args.window)
                 scores = []
                 for cfg, ms in times.items():
-                    tf = case.flops("fwd") / statistics.median(ms) / 1e9 if ms else 0.0
+                    tf = flops / statistics.median(ms) / 1e9 if ms else 0.0
                     scores.append((tf, cfg))
-                    results.append({"d": d, "causal": causal, "n": n, "config": cfg.__dict__, "tflops": round(tf, 1),
-                                    "runs": [round(case.flops("fwd") / t / 1e9, 1) for t in ms or []]})
+                    results.append({"d": d, "causal": causal, "n": n, "window": args.window, "config": cfg.__dict__,
+                                    "ms": round(statistics.median(ms), 4) if ms else None, "tflops": round(tf, 1),
+                                    "runs": [round(flops / t / 1e9, 1) for t in ms or []]})
+                if args.window is not None:
+                    full = triton.testing.do_bench(lambda: forward(q, k, v, d**-0.5, True), warmup=10, rep=40,
+                                                   return_mode="median")
+                    best = min(statistics.median(ms) for ms in times.values() if ms)
+                    print(f"d={d} N={n}: full causal (table) {full:.4f} ms; best window tile {best:.4f} ms, "
+                          f"ratio {best / full:.3f}", flush=True)
+                    results.append({"d": d, "n": n, "full_causal_ms": round(full, 4)})
                 scores.sort(key=lambda t: -t[0])
                 top = ", ".join(
                     f"{tf:.0f} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages} tma{int(c.tma)} g{c.heads_per_group}"

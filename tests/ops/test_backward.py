@@ -8,7 +8,7 @@ import onlineattn
 from onlineattn import reference as R
 from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
-from onlineattn.ops._configs import BwdConfig, BwdTile
+from onlineattn.ops._configs import BwdConfig, BwdTile, bwd_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -105,6 +105,18 @@ def test_split_scores_on_the_dq_tile_is_refused():
     bad = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1, split_scores=True))
     with pytest.raises(ValueError, match="config"):
         B.backward(do, q, k, v, o, lse, 0.2, True, config=bad)
+
+
+@pytest.mark.parametrize("d", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_table_keeps_two_stage_descriptor_tiles_causal(d, dtype):
+    """ptxas (Triton 3.6) crashes with exit -11 on non-causal backward kernels that load through tensor descriptors
+    with 2 stages (_configs.py); only causal launches may take such a tile (d = 128 dK/dV, measured faster there)."""
+    for causal in (False, True):
+        config = bwd_config(d, d, dtype, "cuda", causal=causal)
+        risky = [t for t in (config.dkdv, config.dq) if t.tma and t.num_stages == 2]
+        assert causal or not risky, (d, config)
+    assert bwd_config(128, 128, dtype, "cuda", causal=True).dkdv.tma
 
 
 def _check_config(inputs, causal, config, scale=0.2):

@@ -119,7 +119,7 @@ def call_case(case: Case, device="cpu") -> list:
     dlse = None
     if case.variant == "dlse":
         dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5)).to(device)
-    bcfg = bwd_config(case.d, dv, case.dtype, case.device_type)
+    bcfg = bwd_config(case.d, dv, case.dtype, case.device_type, causal=case.causal)
     outputs = [o, lse, *backward.gradients(do, q, k, v, o, lse, scale, case.causal, dlse, config=bcfg, mods=mods)]
     if mods is PLAIN:
         dcfg = decode_config(case.d, dv, case.dtype, case.device_type, batch_heads=b * case.hkv,

@@ -117,7 +117,7 @@ _BWD_INTERPRETER = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1))
 #   dQ 64x64 w4 s3 TMA (310-322 / 276-316). Together: 343-352 non-causal, 282-323 causal.
 # - d = 128: dK/dV 64x64 w4 s2 with pointer loads (233-252 non-causal); the TMA variant of the same tile led causal
 #   (209-241 against 194-228) but made ptxas crash (exit -11) when compiled non-causal, at d = 64 too, as did every
-#   TMA tile with 2 stages; so no entry uses TMA with 2 stages below d = 256. dQ 128x64 w8 s3 TMA led every shape.
+#   TMA tile with 2 stages; so no non-causal entry uses TMA with 2 stages. dQ 128x64 w8 s3 TMA led every shape.
 #   Together: 368-378 non-causal, 344-384 causal. v8: 8-warp split_scores tiles (64x64, 128x64 dK/dV; 64x64,
 #   64x128 dQ) lost to these at N = 1024 and 8192 (dK/dV 201-339 against 237-418).
 # - d = 256, first sweep: dK/dV 32x32 w4 s2 TMA (108-123), dQ 64x32 w4 s2 TMA (131-145); together 146-167, below
@@ -135,19 +135,25 @@ _BWD_CUDA = {
     128: BwdConfig(BwdTile(64, 64, 4, 2), BwdTile(128, 64, 8, 3, True)),
     256: BwdConfig(BwdTile(64, 64, 8, 2, split_scores=True), BwdTile(64, 32, 4, 3, True)),
 }
+# - Causal d = 128 (v9, sweep_bwd.py --causal 1 at N = 2048 / 8192 / 16384, dQ held at the table's): the TMA form of
+#   the dK/dV tile gave 343 / 399 / 422 against 314 / 374 / 395 with pointer loads; the sliding window 1024 at
+#   N = 16384 (sweep_bwd.py --window) 283 against 246. Causal kernels compile with it (the ptxas crash above is
+#   non-causal only; compile_sm90.py --variants builds every causal variant with it), so causal launches take it.
+_BWD_CUDA_CAUSAL = {**_BWD_CUDA, 128: BwdConfig(BwdTile(64, 64, 4, 2, True), BwdTile(128, 64, 8, 3, True))}
 
 # fp32 (ieee dots): half the elements per byte of shared memory, so smaller tiles; exactness, not speed, is the aim.
 _BWD_FP32_SMALL = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1))
 _BWD_FP32_D256 = BwdConfig(BwdTile(16, 16, 4, 1), BwdTile(16, 16, 4, 1))
 
 
-def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str) -> BwdConfig:
+def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *,
+               causal: bool = False) -> BwdConfig:
     if device_type != "cuda":
         return _BWD_INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
     if dtype == torch.float32:
         return _BWD_FP32_D256 if padded > 128 else _BWD_FP32_SMALL
-    return _BWD_CUDA[padded]
+    return (_BWD_CUDA_CAUSAL if causal else _BWD_CUDA)[padded]
 
 
 @dataclass(frozen=True)
