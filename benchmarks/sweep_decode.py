@@ -5,6 +5,10 @@ Usage (on the GPU machine):
     PYTHONPATH=src python3 benchmarks/sweep_decode.py --quick            # the table's tile and the split rule, + host
     PYTHONPATH=src python3 benchmarks/sweep_decode.py --json $OUT/sweep_decode.json   # every tile and split count
 
+``--cold`` times each call with the L2 cache cleared before it and the GPU held busy while the call is enqueued (a
+sleep kernel after the clear), so the events time the kernel's own work from HBM, without the host: what an eager
+decode step costs on the device when other work (the model's other layers) has evicted this layer's K/V.
+
 Each case prints the automatic choice ("auto": ``decode_config`` + ``decode_num_splits``) beside the best measured
 ones, so a rule that misses shows as a gap. The winners go into src/onlineattn/ops/_configs.py with the reason.
 """
@@ -18,6 +22,7 @@ import torch
 import triton.testing
 
 from onlineattn.api import attention_with_kvcache as api_call
+from onlineattn.bench.decode import time_cold
 from onlineattn.ops import _configs as C
 from onlineattn.ops.decode import _sm_count
 from onlineattn.ops.decode import attention_with_kvcache as kernel_call
@@ -27,6 +32,10 @@ CASES = [(1, 4096), (1, 32768), (1, 131072), (16, 4096), (16, 32768), (16, 13107
          (64, 131072)]
 TILES = [C.DecodeConfig(bn, 64, w, s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
 SPLITS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
+
+
+def _time(fn, cold):
+    return time_cold(fn) if cold else triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
 
 
 def _inputs(b, length):
@@ -47,7 +56,7 @@ def _label(tile, splits):
     return f"bn{tile.block_n} w{tile.num_warps} s{tile.num_stages} sp{splits}"
 
 
-def sweep_case(b, length, tiles, splits_list, results):
+def sweep_case(b, length, tiles, splits_list, results, cold=False):
     q, k, v, lens = _inputs(b, length)
     tbps = lambda ms: 2 * b * length * HKV * D * 2 / ms / 1e9
     auto_tile, auto_splits = _auto(b, length)
@@ -61,14 +70,14 @@ def sweep_case(b, length, tiles, splits_list, results):
         try:
             fn()
             torch.cuda.synchronize()  # a fault is charged to this config, not to the next one
-            ms = triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
+            ms = _time(fn, cold)
             torch.cuda.synchronize()
         except Exception as err:
             print(f"  B={b} L={length} {_label(tile, splits)}: {type(err).__name__}: {str(err)[:80]}", flush=True)
             continue
         used = splits or C.decode_num_splits(b * HKV, length, _sm_count(q.device), tile.block_n)
         scores.append((tbps(ms), ms, tile, used, kind))
-        results.append({"B": b, "L": length, "kind": kind, "tile": tile.__dict__, "splits": used,
+        results.append({"B": b, "L": length, "kind": kind, "cold": cold, "tile": tile.__dict__, "splits": used,
                         "us": round(ms * 1e3, 2), "tbps": round(tbps(ms), 3)})
     auto = scores[0] if scores and scores[0][4] == "auto" else None
     scores.sort(key=lambda t: -t[0])
@@ -111,11 +120,12 @@ def main():
     ap.add_argument("--cases", nargs="*", default=None, help="B:L pairs (default: all)")
     ap.add_argument("--quick", action="store_true", help="only the automatic choice per case, then the host times")
     ap.add_argument("--no-host", action="store_true", help="skip the host-time measurement")
+    ap.add_argument("--cold", action="store_true", help="time from HBM, GPU held ahead of the host (docstring)")
     args = ap.parse_args()
     cases = [tuple(map(int, c.split(":"))) for c in args.cases] if args.cases else CASES
     results = []
     for b, length in cases:
-        sweep_case(b, length, [] if args.quick else TILES, [] if args.quick else SPLITS, results)
+        sweep_case(b, length, [] if args.quick else TILES, [] if args.quick else SPLITS, results, cold=args.cold)
     if not args.no_host:
         host_times(results)
     if args.json:

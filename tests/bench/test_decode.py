@@ -22,6 +22,30 @@ def test_options_parse():
     assert args.cuda_graph and args.no_write and args.page_size == 16
 
 
+def test_timing_modes_are_exclusive_and_name_the_provider():
+    assert build_parser().parse_args(["bench", "decode", "--cold"]).cold
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "decode", "--cold", "--cuda-graph"])
+    assert B.TIMINGS == {"eager": "", "graph": "+graph", "cold": "+cold"}
+
+
+@pytest.mark.gpu
+def test_cold_timing_times_the_device_work():
+    """40 µs of host work before a launch, shorter than the hold, adds nothing to what ``time_cold`` reads (do_bench
+    would add it where the host is the slower side)."""
+    import time
+
+    def slow_host():
+        end = time.perf_counter() + 40e-6
+        while time.perf_counter() < end:
+            pass
+        torch.cuda._sleep(20_000)
+
+    fast = B.time_cold(lambda: torch.cuda._sleep(20_000), reps=50)
+    slow = B.time_cold(slow_host, reps=50)
+    assert slow < fast + 0.01, (fast, slow)
+
+
 def test_bytes_count_k_and_v():
     assert B.Case(64, 32768).kv_bytes(2) == 2 * 64 * 32768 * 8 * 128 * 2  # 8.6 GB: 2 ms at 4.3 TB/s
 

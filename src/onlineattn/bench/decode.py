@@ -18,8 +18,17 @@ every row says ``causal: false``), on its own copy of random normal K/V, built b
   SDPA's own backend choice, on K/V in its own contiguous layout.
 - ``sdpa-flash``: the same, forced to the flash backend.
 
-``--cuda-graph`` times with ``triton.testing.do_bench_cudagraph`` instead (no launch overhead; the provider name gets
-``+graph``); a provider that cannot be captured (``onlineattn-checked`` synchronises) is reported as n/a.
+Timing. By default ``triton.testing.do_bench``: L2 cleared before each call, CUDA events around it. Where the host
+takes longer to enqueue a call than the GPU takes to run the clear and the call (B = 1 at short L: on the H200's host
+one eager call of any provider, SDPA's included, takes 40-60 µs of Python and C++), the events time the host, not
+the kernel. Two other modes, named in the provider (``+graph``, ``+cold``):
+
+- ``--cuda-graph``: ``triton.testing.do_bench_cudagraph``: no launch overhead, and no L2 clearing, so a cache that
+  fits in L2 (B = 1, L = 4k: 16 MiB) is read from L2. A provider that cannot be captured (``onlineattn-checked``
+  synchronises) is reported as n/a.
+- ``--cold``: ``time_cold``: L2 cleared before each call, then a sleep kernel holds the GPU while the host enqueues
+  the call, so the events time the call's own device work from HBM: the cost of an eager decode step whose layer's
+  K/V was evicted by the rest of the model, without the host.
 """
 
 from __future__ import annotations
@@ -116,22 +125,48 @@ def providers(num_splits: int = 0):
 PROVIDER_NAMES = tuple(providers())
 
 
-def _time(fn, cuda_graph: bool) -> float:
-    """Median milliseconds. ``do_bench`` clears the L2 cache before each call, so K/V come from HBM every time."""
+TIMINGS = {"eager": "", "graph": "+graph", "cold": "+cold"}  # timing mode -> provider suffix
+
+
+def time_cold(fn, reps: int = 200, warmup: int = 10) -> float:
+    """Median milliseconds of ``fn``'s device work with K/V in HBM: before each call the L2 is cleared (as in
+    ``do_bench``) and a ~100 µs sleep kernel is enqueued, so the host has enqueued the call before the GPU reaches
+    it and the events around it time the kernels alone."""
+    from triton import runtime
+
+    clear = runtime.driver.active.get_empty_cache_for_benchmark()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for _ in range(warmup):
+        fn()
+    for start, end in zip(starts, ends):
+        runtime.driver.active.clear_cache(clear)
+        torch.cuda._sleep(200_000)  # cycles: ~100 µs at the H200's clock, more than any host path here
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(start.elapsed_time(end) for start, end in zip(starts, ends))[reps // 2]
+
+
+def _time(fn, timing: str) -> float:
+    """Median milliseconds under ``timing`` (module docstring)."""
     import triton.testing
 
     with torch.no_grad():
-        if cuda_graph:
+        if timing == "graph":
             return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+        if timing == "cold":
+            return time_cold(fn)
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
 def run(cases, names, *, out: Path | None, commit: str | None = None, dtype=torch.bfloat16, page_size: int = 256,
-        num_splits: int = 0, cuda_graph: bool = False):
+        num_splits: int = 0, timing: str = "eager"):
     """Measure every (case, provider); print a table of µs (TB/s); append rows to ``out``. Returns the rows."""
     env = environment(commit)
     setups = providers(num_splits)
-    suffix = "+graph" if cuda_graph else ""
+    suffix = TIMINGS[timing]
     rows = []
     print(f"{'B':>3} {'L':>7} " + " ".join(f"{n + suffix:>22}" for n in names))
     bar = Progress(len(cases) * len(names), "decode")
@@ -142,7 +177,7 @@ def run(cases, names, *, out: Path | None, commit: str | None = None, dtype=torc
             fn = None
             try:
                 fn = setups[name](case, dtype, page_size)
-                ms = _time(fn, cuda_graph)
+                ms = _time(fn, timing)
             except RuntimeError as err:  # out of memory, an SDPA backend refusing the shape, a failed capture
                 cells.append(f"{'n/a':>22}")
                 bar.print(f"  {name} {case}: {str(err).splitlines()[0][:120]}")
@@ -176,7 +211,11 @@ def add_parser(subparsers) -> None:
     p.add_argument("--num-splits", type=int, default=0, help="onlineattn's num_splits (default: 0, automatic)")
     p.add_argument("--providers", nargs="*", default=list(PROVIDER_NAMES), choices=list(PROVIDER_NAMES))
     p.add_argument("--quick", action="store_true", help=f"B in {QUICK_BATCHES}, L in {QUICK_LENGTHS}")
-    p.add_argument("--cuda-graph", action="store_true", help="time with do_bench_cudagraph (no launch overhead)")
+    timing = p.add_mutually_exclusive_group()
+    timing.add_argument("--cuda-graph", action="store_true",
+                        help="time with do_bench_cudagraph (no launch overhead, L2 not cleared): providers +graph")
+    timing.add_argument("--cold", action="store_true",
+                        help="time the device work from HBM, the GPU held ahead of the host: providers +cold")
     add_output_options(p)
     p.set_defaults(func=main)
 
@@ -189,5 +228,6 @@ def main(args) -> int:
     lengths = args.lengths or (QUICK_LENGTHS if args.quick else LENGTHS)
     cases = [Case(b, length, args.hq, args.hkv, args.d) for b in batches for length in lengths]
     run(cases, args.providers, out=None if args.no_write else args.out, commit=args.commit,
-        page_size=args.page_size, num_splits=args.num_splits, cuda_graph=args.cuda_graph)
+        page_size=args.page_size, num_splits=args.num_splits,
+        timing="graph" if args.cuda_graph else "cold" if args.cold else "eager")
     return 0
