@@ -67,11 +67,13 @@ def _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q,
 def _merge_splits(p_o, p_lse, split_stride_o, split_stride_lse, num_splits, m_r, m_dv,
                   BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
     """Merge the ``num_splits`` partial states of one program's rows, always in split order 0, 1, ..., so the result
-    does not depend on which split finished last. Loads go through L2 (``.cg``): other SMs wrote them."""
+    does not depend on which split finished last. The loop is software-pipelined (``num_stages``): the partials of
+    the next splits are on their way (``cp.async``) while one is folded in, rather than one L2 round trip per split.
+    The caller's acquire orders these loads after the other splits' stores."""
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for s in range(num_splits):
+    for s in tl.range(0, num_splits, num_stages=4):
         lse_s = tl.load(p_lse + s * split_stride_lse, mask=m_r, other=float("-inf"), cache_modifier=".cg")
         o_s = tl.load(p_o + s * split_stride_o, mask=m_r[:, None] & m_dv[None, :], other=0.0, cache_modifier=".cg")
         m, l, acc = merge_state_step(m, l, acc, lse_s, o_s)
