@@ -316,18 +316,24 @@ def test_decode_tiles_count_row_blocks_and_given_splits():
     count."""
     pick = lambda programs, length, splits=0: C.decode_config(  # noqa: E731
         128, 128, torch.bfloat16, "cuda", batch_heads=programs, max_seqlen_k=length, num_sms=132, num_splits=splits)
-    assert pick(128, 4096) == C.DecodeConfig(64, 64, 4, 3)  # B = 16 x 8 kv heads, one row block, one split
+    assert pick(128, 4096) == C.DecodeConfig(128, 64, 4, 3)  # B = 16 x 8 kv heads, one row block, one split
     assert pick(256, 4096) == C.DecodeConfig(64, 64, 4, 2)  # two row blocks each
     assert pick(128, 4096, splits=16) == C.DecodeConfig(64, 64, 4, 2)
+    assert pick(8, 4096, splits=4) == C.DecodeConfig(128, 64, 4, 3)  # chunks of 1024 keys: 8 blocks of 128
+    assert pick(8, 4096, splits=16) == C.DecodeConfig(64, 64, 4, 3)  # chunks of 256 keys
 
 
 def test_decode_tiles():
-    """Grids of at most one program per SM (after the automatic split) take 3 stages; fuller grids 64-key, 4-warp,
-    2-stage tiles."""
+    """Grids of at most one program per SM (after the automatic split) take 3 stages, and 128-key blocks where every
+    chunk still holds DECODE_MIN_BLOCKS_PER_SPLIT of them; fuller grids 64-key, 4-warp, 2-stage tiles."""
     pick = lambda bh, length: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=bh, max_seqlen_k=length,
                                               num_sms=132)
-    for bh, length in ((8, 4096), (8, 32768), (8, 0), (128, 4096), (128, 0)):  # B = 1 splits 16 ways; 128 x 1
+    for bh, length in ((8, 4096), (8, 0), (128, 0), (128, 511)):  # B = 1 splits 16 ways: chunks of 256 keys
         assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 3)
+    for bh, length in ((8, 8192), (8, 32768), (8, 131072), (128, 512), (128, 4096)):
+        assert pick(bh, length) == C.DecodeConfig(128, 64, 4, 3)
+    assert C.decode_config(64, 64, torch.bfloat16, "cuda", batch_heads=8, max_seqlen_k=131072,
+                           num_sms=132) == C.DecodeConfig(64, 64, 4, 3)  # 128-key blocks measured at d = 128 only
     for bh, length in ((128, 32768), (512, 4096), (512, 131072), (256, 4096)):
         assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 2)
     assert C.decode_config(128, 128, torch.float32, "cuda", batch_heads=8, max_seqlen_k=4096, num_sms=132).block_n == 32

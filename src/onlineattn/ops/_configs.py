@@ -217,6 +217,13 @@ _DECODE_HALF = {16: DecodeConfig(64, 64, 4, 2), 32: DecodeConfig(64, 64, 4, 2), 
 #   splits: 12.4); B = 1, L = 128k 2.40 -> 3.38 TB/s at 369cefa. Over full grids 2 stages stay (above).
 _DECODE_HALF_FILL = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4, 3), 64: DecodeConfig(64, 64, 4, 3),
                      128: DecodeConfig(64, 64, 4, 3)}
+# - v9 (sweep_decode.py at 943df2b, graph-timed / cold): with one program per SM and chunks of at least
+#   DECODE_MIN_BLOCKS_PER_SPLIT 128-key blocks, 128 keys per block keep twice the bytes in flight: B = 1, L = 128k
+#   135.6 -> 128.0 us graph (3.96 -> 4.19 TB/s), 148.3 -> 139.6 us cold; L = 32k 41.0 -> 40.1 / 50.7 -> 50.6;
+#   B = 16, L = 4k 66.7 -> 64.5 / 77.9 -> 76.7. Shorter chunks (B = 1, L = 4k: 16 splits of 256 keys) keep 64 keys:
+#   with 128 the split rule's minimum chunk would halve the splits (8: 12.4 us in v6 against 11.0 for 16 of 64).
+#   d = 128 only (others unmeasured).
+_DECODE_HALF_FILL_LONG = {128: DecodeConfig(128, 64, 4, 3)}
 # float32 (ieee dots, exactness before speed) halves the keys per block; unmeasured.
 _DECODE_FP32 = {16: DecodeConfig(32, 64, 4, 2), 32: DecodeConfig(32, 64, 4, 2), 64: DecodeConfig(32, 64, 4, 2),
                 128: DecodeConfig(32, 64, 4, 2), 256: DecodeConfig(16, 32, 4, 1)}
@@ -232,8 +239,12 @@ def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_typ
     if dtype == torch.float32:
         return _DECODE_FP32[padded]
     splits = num_splits or decode_num_splits(batch_heads, max_seqlen_k, num_sms, _DECODE_HALF[padded].block_n)
-    one_per_sm = 0 < batch_heads * splits <= num_sms
-    return _DECODE_HALF_FILL.get(padded, _DECODE_HALF[padded]) if one_per_sm else _DECODE_HALF[padded]
+    if not 0 < batch_heads * splits <= num_sms:  # more than one program per SM
+        return _DECODE_HALF[padded]
+    long = _DECODE_HALF_FILL_LONG.get(padded)
+    if long is not None and -(-max_seqlen_k // splits) >= DECODE_MIN_BLOCKS_PER_SPLIT * long.block_n:
+        return long
+    return _DECODE_HALF_FILL.get(padded, _DECODE_HALF[padded])
 
 
 # Split-KV rule for num_splits = 0, from the same sweep (B = 1, 16, 64 x L = 4k, 32k, 128k; Hq 32, Hkv 8, d 128;
