@@ -9,7 +9,7 @@ and says what was expected and what came. Nothing here touches tensor data, so c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -277,6 +277,9 @@ class CacheDims:
     page_size: int
     num_pages: int
     capacity: int
+    # The metadata these sizes were checked under (check_kvcache's memo key), None where it was not memoised. It
+    # determines every launch choice that depends on metadata alone, so the launcher keys its own memo with it.
+    meta_key: object = field(default=None, compare=False, repr=False)
 
 
 def _same_device(**tensors) -> None:
@@ -313,6 +316,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> Cach
     if dims is None:
         dims = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
         if key is not None:
+            dims = replace(dims, meta_key=key)
             if len(_CHECKED_KVCACHE) >= _MAX_CHECKED:
                 _CHECKED_KVCACHE.clear()
             _CHECKED_KVCACHE[key] = dims

@@ -359,16 +359,9 @@ def attention_with_kvcache(
     if backend == "triton":  # the kernel's outputs come from torch.empty: no graph to keep out
         from .ops import decode
 
-        # The kernels index the lengths and each block-table row as contiguous: strided views (a column of a
-        # larger table, every other length) are copied, both tiny.
-        if cache_seqlens.dim() == 1 and cache_seqlens.shape[0] > 1 and cache_seqlens.stride(0) != 1:
-            cache_seqlens = cache_seqlens.contiguous()
-        if block_table is not None and block_table.shape[1] > 1 and block_table.stride(1) != 1:
-            block_table = block_table.contiguous()
-
         o, lse = decode.attention_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, num_splits,
-            max_seqlen_k=max_seqlen_k, return_lse=return_lse,
+            max_seqlen_k=max_seqlen_k, return_lse=return_lse, meta_key=dims.meta_key,
         )
     else:
         with torch.no_grad():

@@ -429,3 +429,26 @@ def test_decode_memory_is_only_the_partials():
     extra = torch.cuda.max_memory_allocated() - base
     budget = splits * b * hq * (d + 1) * 4 + b * hq * (d * 2 + 4)  # float32 partials + o + lse
     assert extra < 2 * budget + 2**20, f"{extra} bytes beyond the inputs, budget {budget}"
+
+
+def test_api_steps_are_keyed_by_the_checked_metadata(monkeypatch):
+    """The public call hands the launcher the key its checks were memoised under (CacheDims.meta_key), so repeated
+    steps share one launcher entry; a strided view of the lengths, made contiguous by the launcher, gives its own
+    entry and the same result."""
+    from onlineattn import _validate as V
+
+    monkeypatch.setattr(D, "_STEPS", {})
+    monkeypatch.setattr(V, "_CHECKED_KVCACHE", {})
+    q, k, v = _sequence(3, 40, 4, 2, 16, 16, torch.float32, seed=31)
+    lens = torch.tensor([40, 7, 23], dtype=torch.int32, device=DEVICE)
+    call = lambda lengths: onlineattn.attention_with_kvcache(q[:, :1], k, v, cache_seqlens=lengths,  # noqa: E731
+                                                             return_lse=True, backend="triton")
+    first, again = call(lens), call(lens)
+    (meta_key,) = V._CHECKED_KVCACHE
+    assert [key[0] for key in D._STEPS] == [meta_key]
+    strided = torch.stack([lens, lens], 1)[:, 0]
+    assert strided.stride(0) == 2
+    other = call(strided)
+    assert len(D._STEPS) == 2
+    for a, b_, c in zip(first, again, other):
+        assert torch.equal(a, b_) and torch.equal(a, c)

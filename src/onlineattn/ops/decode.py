@@ -248,7 +248,7 @@ def _checked_out(x: torch.Tensor, name: str, shape: tuple, dtype) -> torch.Tenso
 
 def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale: float, causal: bool,
                            num_splits: int, *, max_seqlen_k=None, return_lse=True, out=None, lse_out=None,
-                           config=None):
+                           config=None, meta_key=None):
     """Append ``k``/``v`` (if given) into the caches, then attend in one launch: ``(o [B, Sq, Hq, Dv], lse [B, Hq, Sq]
     float32)``, lse None when ``return_lse`` is False (it is then never written).
 
@@ -256,10 +256,17 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     [B, max_pages]`` int32; ``cache_seqlens`` int32 ``[B]``, on the device (validated by the caller, values included).
     ``num_splits = 0`` chooses with ``decode_num_splits`` from the grid, ``max_seqlen_k`` (if known, else the cache's
     capacity) and the SM count. ``out``/``lse_out`` (contiguous) let tests pass pre-poisoned buffers; ``config``
-    overrides the table.
+    overrides the table. ``meta_key`` (the API's ``CacheDims.meta_key``: the shapes, strides, dtypes and devices of
+    every argument) stands for the metadata part of this call's memo key, which is then not rebuilt.
     """
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32; q has dtype {q.dtype}")
+    # The kernels index the lengths and each block-table row as contiguous: strided views (a column of a larger
+    # table, every other length) are copied, both tiny.
+    if cache_seqlens.dim() == 1 and cache_seqlens.shape[0] > 1 and cache_seqlens.stride(0) != 1:
+        cache_seqlens = cache_seqlens.contiguous()
+    if block_table is not None and block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        block_table = block_table.contiguous()
     if k is not None:
         cache.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
     if q.stride(-1) != 1:
@@ -268,7 +275,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     device = q.device
     o_shape, lse_shape = (b, sq, hq, dv), (b, hq, sq)
-    o = torch.empty(o_shape, dtype=q.dtype, device=device) if out is None else _checked_out(out, "out", o_shape, q.dtype)
+    o = q.new_empty(o_shape) if out is None else _checked_out(out, "out", o_shape, q.dtype)
     if lse_out is not None:
         lse = _checked_out(lse_out, "lse_out", lse_shape, torch.float32)
     else:
@@ -282,10 +289,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     new = 0 if k is None else k.shape[1]
     # A step seen before (same metadata) reuses its choices. The longest length grows by one per decoding step, so it
     # keys a second, per-step table: the tile and split count it gives, and per (tile, split count) a Relaunch.
-    key = (q.shape, q.stride(), q.dtype, device, k_cache.shape, k_cache.stride(), k_cache.dtype, v_cache.shape,
-           v_cache.stride(), v_cache.dtype, cache_seqlens.dtype,
-           None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype),
-           new, causal, scale, lse is not None, num_splits, config)
+    if meta_key is None:
+        meta_key = (q.shape, q.stride(), q.dtype, device, k_cache.shape, k_cache.stride(), k_cache.dtype,
+                    v_cache.shape, v_cache.stride(), v_cache.dtype, cache_seqlens.dtype,
+                    None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype), new)
+    key = (meta_key, causal, scale, lse is not None, num_splits, config)
     step = _STEPS.get(key)
     if step is None:
         if len(_STEPS) >= _MAX_STEPS:

@@ -346,9 +346,6 @@ _PLAIN_ARGS = {  # what variant_args gives without variants, built once: the pla
 }
 
 
-_BATCH_STRIDES = frozenset({0, 3, 6, 9, 12})  # positions of q's, k's, v's, o's and lse's batch strides
-
-
 def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mods: Mods = PLAIN) -> None:
     b, sq, hq, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
@@ -361,7 +358,7 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2])
     if mods.varlen:  # the grid covers the longest sequence; batch strides are 0 (pointers move per sequence)
         b, sq, sk = mods.cu_seqlens_q.shape[0] - 1, mods.max_seqlen_q, mods.max_seqlen_k
-        strides = tuple(0 if i in _BATCH_STRIDES else x for i, x in enumerate(strides))
+        strides = tuple(x for t, n in ((q, 3), (k, 3), (v, 3), (o, 3), (lse, 2)) for x in (0, *t.stride()[1:n]))
     grid = (cdiv(sq * group, cfg.block_m), b * hkv)
     launch(
         attention_fwd_kernel, grid, q, k_arg, v_arg, o, lse, *strides,
