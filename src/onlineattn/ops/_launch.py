@@ -136,21 +136,10 @@ def bind(kernel, args: tuple, kwargs: dict):
 
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, skipping Triton's binder when this key was launched before."""
-    rt = knobs.runtime
-    bound = None
-    if enabled and type(grid) is tuple and _idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook):
-        bound = bind(kernel, args, kwargs)
-    if bound is None:
+    looked = _lookup(kernel, grid, args, kwargs)
+    if looked is None:
         return kernel[grid](*args, **kwargs)
-    state, values, key = bound
-    device = driver.active.get_current_device()
-    if not _cuda_target(device):
-        return kernel[grid](*args, **kwargs)
-    key = (key, device, rt.debug, knobs.compilation.instrumentation_mode)
-    try:
-        compiled = state.entries.get(key)
-    except TypeError:  # an unhashable option value: run() decides what it means
-        return kernel[grid](*args, **kwargs)
+    state, values, key, device, compiled = looked
     if compiled is None:
         compiled = kernel[grid](*args, **kwargs)
         if compiled is not None:  # None: a jit_cache_hook skipped the compile
@@ -158,14 +147,50 @@ def launch(kernel, grid, *args, **kwargs):
                 state.entries.clear()
             state.entries[key] = compiled.result() if hasattr(compiled, "result") else compiled
         return compiled
-    for (name, _), (value, globals_dict) in kernel.used_global_vals.items():  # run()'s check, same error
-        if globals_dict.get(name, _MISSING) != value:
-            return kernel[grid](*args, **kwargs)
-    stream = driver.active.get_current_stream(device)
-    n = len(grid)
-    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, stream, compiled.function,
-                 compiled.packed_metadata, None, None, None, *values)
+    if not _globals_unchanged(kernel):  # run() raises its error for a changed global: let it
+        return kernel[grid](*args, **kwargs)
+    _run(compiled, grid, device, values)
     return compiled
+
+
+def _lookup(kernel, grid, args: tuple, kwargs: dict):
+    """``(state, bound values, full key, device, CompiledKernel or None)`` for a call the cache keeps, None for one it
+    leaves to ``run`` (module docstring)."""
+    rt = knobs.runtime
+    if not (enabled and type(grid) is tuple and _hooks_idle(rt)):
+        return None
+    bound = bind(kernel, args, kwargs)
+    if bound is None:
+        return None
+    state, values, key = bound
+    device = driver.active.get_current_device()
+    if not _cuda_target(device):
+        return None
+    key = (key, device, rt.debug, knobs.compilation.instrumentation_mode)
+    try:
+        compiled = state.entries.get(key)
+    except TypeError:  # an unhashable option value: run() decides what it means
+        return None
+    return state, values, key, device, compiled
+
+
+def _hooks_idle(rt) -> bool:
+    return _idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook)
+
+
+def _globals_unchanged(kernel) -> bool:
+    """``run()``'s check that the globals the kernel read at compile time still hold the same values."""
+    for (name, _), (value, globals_dict) in kernel.used_global_vals.items():
+        if globals_dict.get(name, _MISSING) != value:
+            return False
+    return True
+
+
+def _run(compiled, grid: tuple, device, values: tuple) -> None:
+    """Launch ``compiled`` with the bound argument values, as ``run`` does (Triton 3.6's launcher convention)."""
+    n = len(grid)
+    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, driver.active.get_current_stream(device),
+                 compiled.function, compiled.packed_metadata, None, None, None, *values)
 
 
 class Relaunch:
@@ -184,22 +209,14 @@ class Relaunch:
 
     def __call__(self, grid: tuple, tensors: tuple) -> bool:
         rt = knobs.runtime
-        if not (enabled and _idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook) and not self.kernel.pre_run_hooks
+        if not (enabled and _hooks_idle(rt) and not self.kernel.pre_run_hooks
                 and (rt.debug, knobs.compilation.instrumentation_mode) == self.knobs):
             return False
         if tuple(map(type, tensors)) != self.types or tuple([x.data_ptr() % 16 == 0 for x in tensors]) != self.aligned:
             return False
-        device = driver.active.get_current_device()
-        if device != self.device:
+        if driver.active.get_current_device() != self.device or not _globals_unchanged(self.kernel):
             return False
-        for (name, _), (value, globals_dict) in self.kernel.used_global_vals.items():
-            if globals_dict.get(name, _MISSING) != value:
-                return False
-        compiled = self.compiled
-        n = len(grid)
-        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
-                     driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata, None,
-                     None, None, *tensors, *self.rest)
+        _run(self.compiled, grid, self.device, tensors + self.rest)
         return True
 
 
@@ -208,30 +225,17 @@ def prepare(kernel, grid: tuple, n_tensors: int, *args, **kwargs):
     ``n_tensors`` arguments (tensors); None where this call is not one the cache keeps, or where its tensors are not
     exactly those first arguments."""
     launch(kernel, grid, *args, **kwargs)
-    rt = knobs.runtime
-    if not (enabled and type(grid) is tuple and _idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook)):
+    looked = _lookup(kernel, grid, args, kwargs)
+    if looked is None:
         return None
-    bound = bind(kernel, args, kwargs)
-    if bound is None:
-        return None
-    state, values, key = bound
-    if key[0].tensor_positions != tuple(range(n_tensors)):  # the tensors must lead the arguments, all of them
-        return None
-    device = driver.active.get_current_device()
-    if not _cuda_target(device):
-        return None
-    knob_values = (rt.debug, knobs.compilation.instrumentation_mode)
-    try:
-        compiled = state.entries.get((key, device, *knob_values))
-    except TypeError:
-        return None
-    if compiled is None:
+    _, values, key, device, compiled = looked
+    if compiled is None or key[0][0].tensor_positions != tuple(range(n_tensors)):  # tensors lead, all of them
         return None
     tensors = values[:n_tensors]
     aligned = tuple([x.data_ptr() % 16 == 0 for x in tensors])
-    options = {name: kwargs[name] for name in key[4]}
+    options = {name: kwargs[name] for name in key[0][4]}
     return Relaunch(kernel, compiled, tuple(values[n_tensors:]), tuple(map(type, tensors)), aligned, device,
-                    knob_values, options)
+                    key[2:], options)
 
 
 _MISSING = object()
