@@ -118,7 +118,7 @@ def main():
                 if args.window is not None:
                     full = triton.testing.do_bench(lambda: forward(q, k, v, d**-0.5, True), warmup=10, rep=40,
                                                    return_mode="median")
-                    best = min(statistics.median(ms) for ms in times.values() if ms)
+                    best = min((statistics.median(ms) for ms in times.values() if ms), default=float("nan"))
                     print(f"d={d} N={n}: full causal (table) {full:.4f} ms; best window tile {best:.4f} ms, "
                           f"ratio {best / full:.3f}", flush=True)
                     results.append({"d": d, "n": n, "full_causal_ms": round(full, 4)})

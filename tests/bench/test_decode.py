@@ -31,12 +31,12 @@ def test_timing_modes_are_exclusive_and_name_the_provider():
 
 @pytest.mark.gpu
 def test_cold_timing_times_the_device_work():
-    """40 µs of host work before a launch, shorter than the hold, adds nothing to what ``time_cold`` reads (do_bench
-    would add it where the host is the slower side)."""
+    """80 µs of host work before a launch, longer than do_bench's L2 clear (~66 µs on the H200) but shorter than the
+    clear plus the ~100 µs hold, adds nothing to what ``time_cold`` reads."""
     import time
 
     def slow_host():
-        end = time.perf_counter() + 40e-6
+        end = time.perf_counter() + 80e-6
         while time.perf_counter() < end:
             pass
         torch.cuda._sleep(20_000)
@@ -44,6 +44,17 @@ def test_cold_timing_times_the_device_work():
     fast = B.time_cold(lambda: torch.cuda._sleep(20_000), reps=50)
     slow = B.time_cold(slow_host, reps=50)
     assert slow < fast + 0.01, (fast, slow)
+
+
+def test_synchronising_providers_are_not_timed_cold_or_in_a_graph(monkeypatch, capsys):
+    """onlineattn-checked reads lengths back to the host inside the call: n/a under --cold and --cuda-graph, before
+    anything is built or timed."""
+    monkeypatch.setattr(B, "_time", lambda fn, timing: pytest.fail("timed"))
+    monkeypatch.setattr(B, "environment", lambda commit: {})
+    monkeypatch.setattr(B.torch.cuda, "empty_cache", lambda: None)
+    for timing in ("cold", "graph"):
+        assert B.run([B.Case(1, 16)], ["onlineattn-checked"], out=None, timing=timing) == []
+        assert "synchronises with the host" in capsys.readouterr().out
 
 
 def test_bytes_count_k_and_v():

@@ -19,16 +19,19 @@ every row says ``causal: false``), on its own copy of random normal K/V, built b
 - ``sdpa-flash``: the same, forced to the flash backend.
 
 Timing. By default ``triton.testing.do_bench``: L2 cleared before each call, CUDA events around it. Where the host
-takes longer to enqueue a call than the GPU takes to run the clear and the call (B = 1 at short L: on the H200's host
-one eager call of any provider, SDPA's included, takes 40-60 µs of Python and C++), the events time the host, not
-the kernel. Two other modes, named in the provider (``+graph``, ``+cold``):
+takes longer to enqueue a call than the GPU takes to run the clear and the call (B = 1 at short L: on the H200's
+host one eager call at B = 1, L = 4k, SDPA's included, took ~40-60 µs of Python and C++ in one run), the events time
+the host, not the kernel. Two other modes, named in the provider (``+graph``, ``+cold``):
 
 - ``--cuda-graph``: ``triton.testing.do_bench_cudagraph``: no launch overhead, and no L2 clearing, so a cache that
-  fits in L2 (B = 1, L = 4k: 16 MiB) is read from L2. A provider that cannot be captured (``onlineattn-checked``
-  synchronises) is reported as n/a.
+  fits in L2 (B = 1, L = 4k: 16 MiB) is read from L2.
 - ``--cold``: ``time_cold``: L2 cleared before each call, then a sleep kernel holds the GPU while the host enqueues
   the call, so the events time the call's own device work from HBM: the cost of an eager decode step whose layer's
   K/V was evicted by the rest of the model, without the host.
+
+In both, a provider that waits for the GPU inside the call (``onlineattn-checked``) is reported as n/a: a graph
+cannot capture it, and under ``--cold`` its wait would put host time between the events (the ``+cold`` rows of
+that provider at 943df2b and 13102d7 are such: host time, not device time).
 """
 
 from __future__ import annotations
@@ -126,6 +129,10 @@ PROVIDER_NAMES = tuple(providers())
 
 
 TIMINGS = {"eager": "", "graph": "+graph", "cold": "+cold"}  # timing mode -> provider suffix
+# Providers that wait for the GPU inside the call (onlineattn-checked reads the lengths back to the host): under
+# --cold that wait outlasts the hold and the events time host work, and a graph cannot capture them, so neither
+# mode reports them.
+SYNCHRONISING = frozenset({"onlineattn-checked"})
 
 
 def time_cold(fn, reps: int = 200, warmup: int = 10) -> float:
@@ -176,6 +183,8 @@ def run(cases, names, *, out: Path | None, commit: str | None = None, dtype=torc
             bar.step(f"B={case.b} L={case.length} {name}")
             fn = None
             try:
+                if timing != "eager" and name in SYNCHRONISING:
+                    raise RuntimeError(f"{name} synchronises with the host: not timed {timing}")
                 fn = setups[name](case, dtype, page_size)
                 ms = _time(fn, timing)
             except RuntimeError as err:  # out of memory, an SDPA backend refusing the shape, a failed capture

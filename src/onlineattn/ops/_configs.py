@@ -137,9 +137,11 @@ _BWD_CUDA = {
 }
 # - Causal d = 128 (v9, sweep_bwd.py --causal 1 at N = 2048 / 8192 / 16384, dQ held at the table's): the TMA form of
 #   the dK/dV tile gave 343 / 399 / 422 against 314 / 374 / 395 with pointer loads; the sliding window 1024 at
-#   N = 16384 (sweep_bwd.py --window) 283 against 246. Causal kernels compile with it (the ptxas crash above is
-#   non-causal only; compile_sm90.py --variants builds every causal variant with it), so causal launches take it.
-_BWD_CUDA_CAUSAL = {**_BWD_CUDA, 128: BwdConfig(BwdTile(64, 64, 4, 2, True), BwdTile(128, 64, 8, 3, True))}
+#   N = 16384 (sweep_bwd.py --window) 283 against 246. Causal kernels compile with it: the ptxas crash above is
+#   non-causal only (plain; non-causal windows were not swept), and on the CPU machine every causal combination of
+#   dtype (bf16, fp16), GQA group (1, 2, 4, 8) and variant (plain, window, softcap, ALiBi, bias, sinks, dropout,
+#   window + softcap + sinks) compiled for sm_90 with it (NOTES v9). So causal launches take it.
+_BWD_CUDA_CAUSAL = {**_BWD_CUDA, 128: replace(_BWD_CUDA[128], dkdv=replace(_BWD_CUDA[128].dkdv, tma=True))}
 
 # fp32 (ieee dots): half the elements per byte of shared memory, so smaller tiles; exactness, not speed, is the aim.
 _BWD_FP32_SMALL = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1))

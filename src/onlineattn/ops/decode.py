@@ -65,15 +65,20 @@ def _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q,
 
 @triton.jit
 def _merge_splits(p_o, p_lse, split_stride_o, split_stride_lse, num_splits, m_r, m_dv,
-                  BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, MERGE_STAGES: tl.constexpr):
     """Merge the ``num_splits`` partial states of one program's rows, always in split order 0, 1, ..., so the result
-    does not depend on which split finished last. The loop is software-pipelined (``num_stages``): the partials of
-    the next splits are on their way (``cp.async``) while one is folded in, rather than one L2 round trip per split.
-    The caller's acquire orders these loads after the other splits' stores."""
+    does not depend on which split finished last. With ``MERGE_STAGES > 1`` the loop is software-pipelined: the
+    partials of the next splits are on their way (``cp.async`` into shared memory) while one is folded in, rather
+    than one L2 round trip per split.
+
+    Ordering: the caller's acq_rel counter orders these loads after the other splits' stores (in SASS the atomic is
+    followed by an L1 invalidation and a barrier before the first load). The ``.cg`` hint is kept where Triton can:
+    4-byte ``cp.async`` copies (the lse loads of the pipelined loop) only exist as ``.ca``, which the acquire makes
+    safe all the same."""
     m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for s in tl.range(0, num_splits, num_stages=4):
+    for s in tl.range(0, num_splits, num_stages=MERGE_STAGES):
         lse_s = tl.load(p_lse + s * split_stride_lse, mask=m_r, other=float("-inf"), cache_modifier=".cg")
         o_s = tl.load(p_o + s * split_stride_o, mask=m_r[:, None] & m_dv[None, :], other=0.0, cache_modifier=".cg")
         m, l, acc = merge_state_step(m, l, acc, lse_s, o_s)
@@ -93,7 +98,7 @@ def decode_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr, STORE_LSE: tl.constexpr,
+    SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, MERGE_STAGES: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -161,7 +166,8 @@ def decode_kernel(
         p_count = COUNTS + pid_bh * tl.num_programs(1) + pid_m
         if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(p_count, 0)  # ready for the next launch that uses this workspace
-            b_o, b_lse = _merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M, BLOCK_DV)
+            b_o, b_lse = _merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M, BLOCK_DV,
+                                       MERGE_STAGES)
             _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP,
                          HEAD_DIM_V, STORE_LSE)
     else:
@@ -179,6 +185,13 @@ def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# The merge loop's pipelining (NOTES v9: B = 1, L = 4k 17.9 -> 17.3 us cold at d = 128, one query token: 16 rows x
+# 128 float32 per stage). Its stages sit in shared memory for the whole kernel, so wider partials (d = 256, or 64
+# packed rows: up to ~100 KiB more, halving the programs per SM) keep the plain loop, unmeasured either way.
+MERGE_STAGES = 4
+MERGE_PIPELINE_MAX_ELEMENTS = 16 * 128
 
 
 @dataclass(frozen=True, eq=False)
@@ -209,6 +222,7 @@ def _make_plan(q, k_cache, v_cache, block_table, cfg: DecodeConfig, causal: bool
         BLOCK_D=max(16, next_power_of_2(d)), BLOCK_DV=max(16, next_power_of_2(dv)),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=causal,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        MERGE_STAGES=MERGE_STAGES if block_m * max(16, next_power_of_2(dv)) <= MERGE_PIPELINE_MAX_ELEMENTS else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
