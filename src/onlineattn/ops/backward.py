@@ -187,7 +187,8 @@ def _dkdv_tile(
     stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh,
     seqlen_q, seqlen_k, diag, qk_scale, vargs,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_SCORES: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, SPLIT_SCORES: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """One tile of packed query rows ``[start_m, start_m + BLOCK_M)`` against the program's keys: adds ``Pᵀ dO`` to dV

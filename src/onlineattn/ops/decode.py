@@ -209,6 +209,7 @@ def _make_plan(q, k_cache, v_cache, block_table, cfg: DecodeConfig, causal: bool
     group = hq // hkv
     paged = block_table is not None
     block_m = min(cfg.block_m, max(16, next_power_of_2(sq * group)))
+    block_dv = max(16, next_power_of_2(dv))
     row_blocks = cdiv(sq * group, block_m)
     if row_blocks > MAX_GRID_Y:
         raise ValueError(f"{sq} query tokens x {group} heads per kv head need {row_blocks} row blocks, beyond the "
@@ -219,10 +220,10 @@ def _make_plan(q, k_cache, v_cache, block_table, cfg: DecodeConfig, causal: bool
     strides = (*q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0) if paged else 0)
     constexprs = dict(
         HEADS_KV=hkv, GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv,
-        BLOCK_D=max(16, next_power_of_2(d)), BLOCK_DV=max(16, next_power_of_2(dv)),
+        BLOCK_D=max(16, next_power_of_2(d)), BLOCK_DV=block_dv,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=causal,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        MERGE_STAGES=MERGE_STAGES if block_m * max(16, next_power_of_2(dv)) <= MERGE_PIPELINE_MAX_ELEMENTS else 1,
+        MERGE_STAGES=MERGE_STAGES if block_m * block_dv <= MERGE_PIPELINE_MAX_ELEMENTS else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
