@@ -8,6 +8,7 @@ the C launch. Kernels compile for sm_90 with Triton's ptxas (cached on disk afte
     python benchmarks/probe_launch.py decode          # host µs of one attention_with_kvcache call (API and op)
     python benchmarks/probe_launch.py step            # host µs of attention + autograd.grad (a training step)
     python benchmarks/probe_launch.py check [i ...]   # every cached launch is the kernel run() would pick
+    python benchmarks/probe_launch.py repeat          # the backward's kept launches pass what its full path passes
     python benchmarks/probe_launch.py gpu [i ...]     # on the GPU: outputs bitwise equal with the cache off / on
 
 ``check`` runs on the GPU machine too, with the real driver and CUDA tensors. The case indices are those of
@@ -244,12 +245,57 @@ def check(*indices: str) -> None:
         raise SystemExit(1)
 
 
+def repeat() -> None:
+    """The backward's repeats (``backward._repeat``: kept launches) hand the launcher exactly what the full path hands
+    it for the same call: tensors by address, descriptors by their fields, every scalar, the grids. CPU machine only
+    (the launcher records instead of launching)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from onlineattn.ops import backward as B
+    from onlineattn.ops._configs import bwd_config
+
+    calls = []
+    Sm90NoLaunch.launcher_cls = lambda self, src, metadata: lambda *args: calls.append(args)
+
+    def seen(args):  # grid, then the arguments after stream, function, metadata and hooks
+        return args[:3], [("desc", a.base.data_ptr(), tuple(a.shape), tuple(a.strides), tuple(a.block_shape),
+                           a.padding) if isinstance(a, TensorDescriptor) else
+                          ("tensor", a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args[9:]]
+
+    ok = True
+    for b, n, hq, hkv, d, causal, with_dlse in [(2, 100, 4, 2, 128, True, False), (2, 100, 4, 2, 128, False, True),
+                                                (3, 65, 8, 8, 64, True, False), (1, 77, 4, 1, 256, True, True)]:
+        q, do = (torch.randn(b, n, hq, d, dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(b, n, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+        o, lse, dlse = torch.randn_like(q), torch.randn(b, hq, n), torch.randn(b, hq, n) if with_dlse else None
+        out = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        delta, empty = torch.empty((b, hq, n)), torch.empty  # one delta buffer for every call, so addresses match
+        B._STEPS.clear()
+        runs = []
+        for _ in range(3):  # the full path (it keeps the launches), then two repeats
+            calls.clear()
+            torch.empty = lambda *a, **kw: delta if a and a[0] == (b, hq, n) else empty(*a, **kw)
+            try:
+                B.backward(do, q, k, v, o, lse, 0.1, causal, dlse, out=out,
+                           config=bwd_config(d, d, q.dtype, "cuda", causal=causal))
+            finally:
+                torch.empty = empty
+            runs.append([seen(c) for c in calls])
+        same = len(runs[0]) == 3 and runs[0] == runs[1] == runs[2]
+        ok &= same
+        print(f"B={b} N={n} Hq={hq} Hkv={hkv} d={d} causal={causal:d} dlse={with_dlse:d}: 3 launches per call, "
+              f"repeats identical: {same}", flush=True)
+    if not ok:
+        raise SystemExit(1)
+
+
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)  # read when onlineattn's kernels are decorated, below
     sys.path.insert(0, str(ROOT / "src"))
     mode = sys.argv[1] if len(sys.argv) > 1 else "time"
     if not torch.cuda.is_available():
         triton.runtime.driver.set_active(Sm90NoLaunch())
-    elif mode in ("time", "decode", "step"):
+    elif mode in ("time", "decode", "step", "repeat"):
         raise SystemExit("time stubs the launches: run it where CUDA is absent (on the GPU: probe_host.py)")
-    {"time": time_calls, "decode": time_decode, "step": time_step, "check": check, "gpu": gpu}[mode](*sys.argv[2:])
+    {"time": time_calls, "decode": time_decode, "step": time_step, "check": check, "gpu": gpu,
+     "repeat": repeat}[mode](*sys.argv[2:])

@@ -138,13 +138,14 @@ def recorded(monkeypatch):
     def record(kernel, grid, *args, **kwargs):
         calls.append((kernel, grid, args, kwargs))
 
-    def record_prepare(kernel, grid, n_tensors, *args, **kwargs):
+    def record_prepare(kernel, grid, n_arrays, *args, **kwargs):
         record(kernel, grid, *args, **kwargs)
-        assert all(isinstance(x, torch.Tensor) for x in args[:n_tensors])
+        assert all(isinstance(x, (torch.Tensor, TensorDescriptor)) for x in args[:n_arrays])
 
     for module in (forward, backward):
         monkeypatch.setattr(module, "launch", record)
-    monkeypatch.setattr(decode, "prepare", record_prepare)
+    for module in (backward, decode):
+        monkeypatch.setattr(module, "prepare", record_prepare)
     return calls
 
 

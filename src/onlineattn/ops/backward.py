@@ -38,7 +38,7 @@ from ._common import (
     LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, row_tile, sequence_bounds,
 )
 from ._configs import bwd_config
-from ._launch import cdiv, launch, next_power_of_2
+from ._launch import cdiv, launch, next_power_of_2, prepare
 from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, variant_args
 
 PREPROCESS_ROWS = 64  # rows per program of the delta pass: it streams O and dO once, any tile saturates bandwidth
@@ -417,6 +417,8 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     if any(x.stride(-1) != 1 for x in (dq, dk, dv)):
         raise ValueError("the out buffers (dq, dk, dv) must be contiguous in their last dim")
     dlse = None if dlse is None else dlse.contiguous()
+    if mods is PLAIN and not bias_grad and _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config):
+        return dq, dk, dv, None, None
     if mods.varlen:  # packed [1, total, H, D] views, as in the forward
         q, k, v, o, do, dq, dk, dv = (x[None] for x in (q, k, v, o, do, dq, dk, dv))
         lse, dlse = lse[None], None if dlse is None else dlse[None]
@@ -450,8 +452,13 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
             check_int32_offsets(q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse)
             for rows in batch_slices(b, max(hq, hkv)):
                 if rows == slice(0, b):  # the whole batch: no views to make (each costs host time)
-                    _preprocess(o, do, lse, dlse, delta)
-                    _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys, mods)
+                    keep = mods is PLAIN  # a plain call is kept for its repeats (_repeat)
+                    pre = _preprocess(o, do, lse, dlse, delta, keep)
+                    kernels = _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys,
+                                      mods, keep)
+                    if keep:
+                        _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config,
+                                  _Step(cfg, tma_rows, tma_keys, pre, *kernels))
                     continue
                 _preprocess(o[rows], do[rows], lse[rows], None if dlse is None else dlse[rows], delta[rows])
                 _launch(do[rows], q[rows], k[rows], v[rows], lse[rows], delta[rows], dq[rows], dk[rows], dv[rows],
@@ -473,11 +480,22 @@ def _descriptor(x, box_rows: int, box_heads: int, box_d: int):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, box_rows, box_heads, box_d])
 
 
-def _preprocess(o, do, lse, dlse, delta) -> None:
-    """``delta = rowsum(dO ∘ O) − dlse`` for o, do ``[B, Sq, Hq, Dv]`` into delta ``[B, Hq, Sq]`` (lse's layout)."""
+def _start(keep: bool, kernel, grid: tuple, n_arrays: int, *args, **kwargs):
+    """Launch; with ``keep``, also return a ``Relaunch`` of it for calls that change only the first ``n_arrays``
+    arguments (``prepare``; None where the launch cannot be kept)."""
+    if keep:
+        return prepare(kernel, grid, n_arrays, *args, **kwargs)
+    launch(kernel, grid, *args, **kwargs)
+    return None
+
+
+def _preprocess(o, do, lse, dlse, delta, keep: bool = False):
+    """``delta = rowsum(dO ∘ O) − dlse`` for o, do ``[B, Sq, Hq, Dv]`` into delta ``[B, Hq, Sq]`` (lse's layout).
+    With ``keep``, returns ``(grid, Relaunch)`` of the launch."""
     b, sq, hq, dv_dim = o.shape
-    launch(
-        attention_bwd_preprocess_kernel, (cdiv(sq, PREPROCESS_ROWS), b * hq),
+    grid = (cdiv(sq, PREPROCESS_ROWS), b * hq)
+    return grid, _start(
+        keep, attention_bwd_preprocess_kernel, grid, 4,
         o, do, lse if dlse is None else dlse, delta,
         *o.stride()[:3], *do.stride()[:3], *delta.stride()[:2],
         sq, hq,
@@ -486,9 +504,10 @@ def _preprocess(o, do, lse, dlse, delta) -> None:
     )
 
 
-def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys, mods: Mods = PLAIN) -> None:
+def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys, mods: Mods = PLAIN,
+            keep: bool = False):
     """The dK/dV and dQ kernels over q ``[B, Sq, Hq, D]`` (with varlen ``mods``: packed ``[1, total, H, D]`` views,
-    one program column per sequence and kv head)."""
+    one program column per sequence and kv head). With ``keep``, returns ``(grid, Relaunch)`` of each launch."""
     b, sq, hq, d = q.shape
     sk, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
@@ -512,8 +531,9 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     if tma_rows:
         q_arg = _descriptor(q, t.block_m // group, group, block_d)
         do_arg = _descriptor(do, t.block_m // group, group, block_dv)
-    launch(
-        attention_bwd_dkdv_kernel, (cdiv(sk, t.block_n), b * hkv),
+    grid_dkdv = (cdiv(sk, t.block_n), b * hkv)
+    dkdv = _start(
+        keep, attention_bwd_dkdv_kernel, grid_dkdv, 8,
         q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
         **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, SPLIT_SCORES=t.split_scores,
         num_warps=t.num_warps, num_stages=t.num_stages,
@@ -522,12 +542,78 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     k_arg, v_arg = k, v
     if tma_keys:
         k_arg, v_arg = _descriptor(k, t.block_n, 1, block_d), _descriptor(v, t.block_n, 1, block_dv)
-    launch(
-        attention_bwd_dq_kernel, (cdiv(sq * group, t.block_m), b * hkv),
+    grid_dq = (cdiv(sq * group, t.block_m), b * hkv)
+    dq_kernel = _start(
+        keep, attention_bwd_dq_kernel, grid_dq, 7,
         q, k_arg, v_arg, do, lse, delta, dq, *strides_in, *strides_dq, *strides_lse, *scalars, **variants,
         **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_keys, num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
+    return (grid_dkdv, dkdv), (grid_dq, dq_kernel)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Repeats. A training loop runs the backward with the same shapes every step, so a plain whole-batch call keeps its
+# choices (tile, descriptor use) and its three launches (``_Step``), keyed by the metadata they depend on; a repeat
+# only swaps the tensors in (``Relaunch``) and rebuilds the descriptors around them. Where a relaunch declines (a
+# hook set, an alignment changed...), that call takes the full path, which records a fresh step.
+
+
+class _Step:
+    __slots__ = ("cfg", "tma_rows", "tma_keys", "pre", "dkdv", "dq")
+
+    def __init__(self, cfg, tma_rows: bool, tma_keys: bool, pre, dkdv, dq):
+        self.cfg, self.tma_rows, self.tma_keys = cfg, tma_rows, tma_keys
+        self.pre, self.dkdv, self.dq = pre, dkdv, dq  # each (grid, Relaunch or None)
+
+
+_STEPS: dict = {}
+_MAX_STEPS = 256  # shapes a training process sees are few; past this the table starts over
+
+
+def _step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config):
+    """Everything a plain whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars,
+    and the base alignment of the tensors that may go through descriptors (``_tma_ok`` reads it)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.stride(), do.stride(), lse.stride(),
+            dq.stride(), dk.stride(), dv.stride(), q.dtype, k.dtype, v.dtype, o.dtype, do.dtype, lse.dtype,
+            dq.dtype, dk.dtype, dv.dtype, q.device, None if dlse is None else (dlse.stride(), dlse.dtype), scale,
+            causal, config, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, do.data_ptr() % 16)
+
+
+def _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config, step: _Step) -> None:
+    if len(_STEPS) >= _MAX_STEPS:
+        _STEPS.clear()
+    _STEPS[_step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config)] = step
+
+
+def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> bool:
+    """Launch a plain backward seen before through its kept launches; False (nothing launched) where there is no
+    step for this metadata or one of its launches cannot be repeated."""
+    step = _STEPS.get(_step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config))
+    if step is None or step.pre[1] is None or step.dkdv[1] is None or step.dq[1] is None:
+        return False
+    b, sq, hq, d = q.shape
+    hkv, dv_dim = k.shape[2], v.shape[3]
+    group = hq // hkv
+    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    block_d, block_dv = max(16, next_power_of_2(d)), max(16, next_power_of_2(dv_dim))
+    q_arg, do_arg, k_arg, v_arg = q, do, k, v
+    if step.tma_rows:
+        rows = step.cfg.dkdv.block_m // group
+        q_arg, do_arg = _descriptor(q, rows, group, block_d), _descriptor(do, rows, group, block_dv)
+    if step.tma_keys:
+        keys = step.cfg.dq.block_n
+        k_arg, v_arg = _descriptor(k, keys, 1, block_d), _descriptor(v, keys, 1, block_dv)
+    (grid_pre, pre), (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.pre, step.dkdv, step.dq
+    if not pre(grid_pre, (o, do, lse if dlse is None else dlse, delta)):
+        return False  # nothing launched: the caller takes the full path
+    # A relaunch declines only where a hook, a knob, the device or a tensor's alignment changed since it was kept.
+    # After the delta pass has run, a decline sends both remaining kernels through the full launcher (if dK/dV had
+    # already run, it runs again: same inputs, same bits).
+    if not (dkdv(grid_dkdv, (q_arg, k, v, do_arg, lse, delta, dk, dv))
+            and dq_kernel(grid_dq, (q, k_arg, v_arg, do, lse, delta, dq))):
+        _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, step.cfg, step.tma_rows, step.tma_keys)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------
