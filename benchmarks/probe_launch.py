@@ -194,7 +194,7 @@ def gpu(*indices: str) -> None:
 def check(*indices: str) -> None:
     """Forward, backward and decode over the cases of tests/ops/test_launch.py (those at ``indices``, else all; each
     distinct specialisation compiles once, seconds each), every call twice: a miss, then a hit."""
-    from onlineattn.ops import _launch, backward, forward
+    from onlineattn.ops import _launch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine: real launches, real driver
     launched = []
@@ -208,8 +208,7 @@ def check(*indices: str) -> None:
             print(f"MISMATCH {kernel.fn.__name__}", flush=True)
         return compiled
 
-    for module in (forward, backward, _launch):  # decode launches through _launch.prepare, which calls launch
-        module.launch = checked
+    _launch.launch = checked  # forward and backward launch through _launch.start, decode through prepare: both call it
     relaunch = _launch.Relaunch.__call__
 
     def checked_relaunch(self, grid, tensors):  # decode's repeats: the kernel run() would pick for the same call
@@ -246,16 +245,22 @@ def check(*indices: str) -> None:
 
 
 def repeat() -> None:
-    """The backward's repeats (``backward._repeat``: kept launches) hand the launcher exactly what the full path hands
-    it for the same call: tensors by address, descriptors by their fields, every scalar, the grids. CPU machine only
-    (the launcher records instead of launching)."""
+    """The forward's and the backward's repeats (``_repeat``: kept launches) hand the launcher exactly what the full
+    path hands it for the same call: tensors by address, descriptors by their fields, every scalar, the grids. CPU
+    machine only (the launcher records instead of launching)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from onlineattn.ops import backward as B
-    from onlineattn.ops._configs import bwd_config
+    from onlineattn.ops import forward as F
+    from onlineattn.ops._configs import bwd_config, fwd_config
 
-    calls = []
+    from onlineattn.ops import _launch
+
+    calls, relaunched = [], []
     Sm90NoLaunch.launcher_cls = lambda self, src, metadata: lambda *args: calls.append(args)
+    relaunch = _launch.Relaunch.__call__
+    _launch.Relaunch.__call__ = lambda self, grid, arrays: relaunched.append(relaunch(self, grid, arrays)) or \
+        relaunched[-1]
 
     def seen(args):  # grid, then the arguments after stream, function, metadata and hooks
         return args[:3], [("desc", a.base.data_ptr(), tuple(a.shape), tuple(a.strides), tuple(a.block_shape),
@@ -270,7 +275,17 @@ def repeat() -> None:
         o, lse, dlse = torch.randn_like(q), torch.randn(b, hq, n), torch.randn(b, hq, n) if with_dlse else None
         out = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         delta, empty = torch.empty((b, hq, n)), torch.empty  # one delta buffer for every call, so addresses match
+        F._STEPS.clear()
+        cfg = fwd_config(d, d, q.dtype, causal, "cuda", seqlen_q=n, seqlen_k=n)
+        runs = []
+        relaunched.clear()
+        for _ in range(3):
+            calls.clear()
+            F.forward(q, k, v, 0.1, causal, out=o, lse_out=lse, config=cfg)
+            runs.append([seen(c) for c in calls])
+        same_fwd = len(runs[0]) == 1 and runs[0] == runs[1] == runs[2] and relaunched == [True, True]
         B._STEPS.clear()
+        relaunched.clear()
         runs = []
         for _ in range(3):  # the full path (it keeps the launches), then two repeats
             calls.clear()
@@ -281,10 +296,10 @@ def repeat() -> None:
             finally:
                 torch.empty = empty
             runs.append([seen(c) for c in calls])
-        same = len(runs[0]) == 3 and runs[0] == runs[1] == runs[2]
-        ok &= same
-        print(f"B={b} N={n} Hq={hq} Hkv={hkv} d={d} causal={causal:d} dlse={with_dlse:d}: 3 launches per call, "
-              f"repeats identical: {same}", flush=True)
+        same = len(runs[0]) == 3 and runs[0] == runs[1] == runs[2] and relaunched == [True] * 6
+        ok &= same and same_fwd
+        print(f"B={b} N={n} Hq={hq} Hkv={hkv} d={d} causal={causal:d} dlse={with_dlse:d}: forward repeats identical: "
+              f"{same_fwd}; backward (3 launches per call) repeats identical: {same}", flush=True)
     if not ok:
         raise SystemExit(1)
 

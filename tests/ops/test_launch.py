@@ -142,10 +142,12 @@ def recorded(monkeypatch):
         record(kernel, grid, *args, **kwargs)
         assert all(isinstance(x, (torch.Tensor, TensorDescriptor)) for x in args[:n_arrays])
 
+    def record_start(keep, kernel, grid, n_arrays, *args, **kwargs):
+        record_prepare(kernel, grid, n_arrays, *args, **kwargs)
+
     for module in (forward, backward):
-        monkeypatch.setattr(module, "launch", record)
-    for module in (backward, decode):
-        monkeypatch.setattr(module, "prepare", record_prepare)
+        monkeypatch.setattr(module, "start", record_start)
+    monkeypatch.setattr(decode, "prepare", record_prepare)
     return calls
 
 

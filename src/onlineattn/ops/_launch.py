@@ -252,6 +252,14 @@ def prepare(kernel, grid: tuple, n_arrays: int, *args, **kwargs):
     return Relaunch(kernel, compiled, tuple(values[:n_arrays]), tuple(values[n_arrays:]), device, key[2:], options)
 
 
+def start(keep: bool, kernel, grid: tuple, n_arrays: int, *args, **kwargs):
+    """``launch``; with ``keep``, ``prepare`` instead, returning its ``Relaunch`` (None where it cannot be kept)."""
+    if keep:
+        return prepare(kernel, grid, n_arrays, *args, **kwargs)
+    launch(kernel, grid, *args, **kwargs)
+    return None
+
+
 _MISSING = object()
 _CUDA_TARGET: dict = {}  # device -> whether its backend is "cuda"
 

@@ -34,11 +34,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._mods import PLAIN, Mods
 from ..torch_impl import BWD_SCHEMA, fake_backward, op_outputs, refuse_double_backward
 from . import bias_grad as bias_grad_kernel
+from . import _launch as launch_cache
 from ._common import (
     LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, row_tile, sequence_bounds,
 )
 from ._configs import bwd_config
-from ._launch import cdiv, launch, next_power_of_2, prepare
+from ._launch import cdiv, next_power_of_2, start
 from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, variant_args
 
 PREPROCESS_ROWS = 64  # rows per program of the delta pass: it streams O and dO once, any tile saturates bandwidth
@@ -417,7 +418,7 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     if any(x.stride(-1) != 1 for x in (dq, dk, dv)):
         raise ValueError("the out buffers (dq, dk, dv) must be contiguous in their last dim")
     dlse = None if dlse is None else dlse.contiguous()
-    if mods is PLAIN and not bias_grad and _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config):
+    if mods is PLAIN and not bias_grad and launch_cache.enabled and _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config):
         return dq, dk, dv, None, None
     if mods.varlen:  # packed [1, total, H, D] views, as in the forward
         q, k, v, o, do, dq, dk, dv = (x[None] for x in (q, k, v, o, do, dq, dk, dv))
@@ -452,7 +453,7 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
             check_int32_offsets(q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse)
             for rows in batch_slices(b, max(hq, hkv)):
                 if rows == slice(0, b):  # the whole batch: no views to make (each costs host time)
-                    keep = mods is PLAIN  # a plain call is kept for its repeats (_repeat)
+                    keep = mods is PLAIN and launch_cache.enabled  # a plain call is kept for its repeats (_repeat)
                     pre = _preprocess(o, do, lse, dlse, delta, keep)
                     kernels = _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys,
                                       mods, keep)
@@ -480,21 +481,12 @@ def _descriptor(x, box_rows: int, box_heads: int, box_d: int):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, box_rows, box_heads, box_d])
 
 
-def _start(keep: bool, kernel, grid: tuple, n_arrays: int, *args, **kwargs):
-    """Launch; with ``keep``, also return a ``Relaunch`` of it for calls that change only the first ``n_arrays``
-    arguments (``prepare``; None where the launch cannot be kept)."""
-    if keep:
-        return prepare(kernel, grid, n_arrays, *args, **kwargs)
-    launch(kernel, grid, *args, **kwargs)
-    return None
-
-
 def _preprocess(o, do, lse, dlse, delta, keep: bool = False):
     """``delta = rowsum(dO ∘ O) − dlse`` for o, do ``[B, Sq, Hq, Dv]`` into delta ``[B, Hq, Sq]`` (lse's layout).
     With ``keep``, returns ``(grid, Relaunch)`` of the launch."""
     b, sq, hq, dv_dim = o.shape
     grid = (cdiv(sq, PREPROCESS_ROWS), b * hq)
-    return grid, _start(
+    return grid, start(
         keep, attention_bwd_preprocess_kernel, grid, 4,
         o, do, lse if dlse is None else dlse, delta,
         *o.stride()[:3], *do.stride()[:3], *delta.stride()[:2],
@@ -532,7 +524,7 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
         q_arg = _descriptor(q, t.block_m // group, group, block_d)
         do_arg = _descriptor(do, t.block_m // group, group, block_dv)
     grid_dkdv = (cdiv(sk, t.block_n), b * hkv)
-    dkdv = _start(
+    dkdv = start(
         keep, attention_bwd_dkdv_kernel, grid_dkdv, 8,
         q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
         **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, SPLIT_SCORES=t.split_scores,
@@ -543,7 +535,7 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     if tma_keys:
         k_arg, v_arg = _descriptor(k, t.block_n, 1, block_d), _descriptor(v, t.block_n, 1, block_dv)
     grid_dq = (cdiv(sq * group, t.block_m), b * hkv)
-    dq_kernel = _start(
+    dq_kernel = start(
         keep, attention_bwd_dq_kernel, grid_dq, 7,
         q, k_arg, v_arg, do, lse, delta, dq, *strides_in, *strides_dq, *strides_lse, *scalars, **variants,
         **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_keys, num_warps=t.num_warps,
