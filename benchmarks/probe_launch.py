@@ -8,13 +8,13 @@ the C launch. Kernels compile for sm_90 with Triton's ptxas (cached on disk afte
     python benchmarks/probe_launch.py decode          # host µs of one attention_with_kvcache call (API and op)
     python benchmarks/probe_launch.py step            # host µs of attention + autograd.grad (a training step)
     python benchmarks/probe_launch.py check [i ...]   # every cached launch is the kernel run() would pick
-    python benchmarks/probe_launch.py repeat          # the backward's kept launches pass what its full path passes
+    python benchmarks/probe_launch.py repeat          # kept fwd/bwd launches pass what the full path passes
     python benchmarks/probe_launch.py gpu [i ...]     # on the GPU: outputs bitwise equal with the cache off / on
 
 ``check`` runs on the GPU machine too, with the real driver and CUDA tensors. The case indices are those of
 tests/ops/test_launch.py's ``CASES``.
 
-``check`` wraps ``launch`` and ``Relaunch`` (decode's repeats): after each call it asks Triton's own
+``check`` wraps ``launch`` and ``Relaunch.go`` (the kept launches): after each call it asks Triton's own
 ``run(..., warmup=True)`` for the kernel of the same arguments and requires the very object the cached path launched.
 """
 
@@ -209,18 +209,16 @@ def check(*indices: str) -> None:
         return compiled
 
     _launch.launch = checked  # forward and backward launch through _launch.start, decode through prepare: both call it
-    relaunch = _launch.Relaunch.__call__
+    relaunch = _launch.Relaunch.go
 
-    def checked_relaunch(self, grid, tensors):  # decode's repeats: the kernel run() would pick for the same call
-        done = relaunch(self, grid, tensors)
-        if done:
-            expected = self.kernel.run(*tensors, *self.rest, grid=grid, warmup=True, **self.options)
-            launched.append(self.compiled is expected)
-            if self.compiled is not expected:
-                print(f"MISMATCH relaunch {self.kernel.fn.__name__}", flush=True)
-        return done
+    def checked_relaunch(self, grid, arrays):  # kept launches (decode, forward, backward): run()'s kernel
+        relaunch(self, grid, arrays)
+        expected = self.kernel.run(*arrays, *self.rest, grid=grid, warmup=True, **self.options)
+        launched.append(self.compiled is expected)
+        if self.compiled is not expected:
+            print(f"MISMATCH relaunch {self.kernel.fn.__name__}", flush=True)
 
-    _launch.Relaunch.__call__ = checked_relaunch
+    _launch.Relaunch.go = checked_relaunch
     misses = []  # launches that went through run() (warmup=False): the rest were cache hits
     run = triton.runtime.jit.JITFunction.run
 
@@ -246,60 +244,67 @@ def check(*indices: str) -> None:
 
 def repeat() -> None:
     """The forward's and the backward's repeats (``_repeat``: kept launches) hand the launcher exactly what the full
-    path hands it for the same call: tensors by address, descriptors by their fields, every scalar, the grids. CPU
-    machine only (the launcher records instead of launching)."""
+    path hands it for the same call: tensors by address, descriptors by their fields, every scalar, the grids. Each
+    call has fresh tensors and runs twice, through the kept launches and then through the full path (an empty step
+    table). CPU machine only (the launcher records instead of launching)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    from onlineattn.ops import _launch
     from onlineattn.ops import backward as B
     from onlineattn.ops import forward as F
     from onlineattn.ops._configs import bwd_config, fwd_config
 
-    from onlineattn.ops import _launch
-
     calls, relaunched = [], []
     Sm90NoLaunch.launcher_cls = lambda self, src, metadata: lambda *args: calls.append(args)
-    relaunch = _launch.Relaunch.__call__
-    _launch.Relaunch.__call__ = lambda self, grid, arrays: relaunched.append(relaunch(self, grid, arrays)) or \
-        relaunched[-1]
+    go = _launch.Relaunch.go
+    _launch.Relaunch.go = lambda self, grid, arrays: relaunched.append(1) or go(self, grid, arrays)
 
     def seen(args):  # grid, then the arguments after stream, function, metadata and hooks
         return args[:3], [("desc", a.base.data_ptr(), tuple(a.shape), tuple(a.strides), tuple(a.block_shape),
                            a.padding) if isinstance(a, TensorDescriptor) else
-                          ("tensor", a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args[9:]]
+                          ("tensor", a.data_ptr()) if isinstance(a, torch.Tensor) else (type(a), a) for a in args[9:]]
+
+    def twice(module, call):
+        """(launches through the kept steps, launches through the full path) of one call, and the relaunch count."""
+        calls.clear(), relaunched.clear()
+        call()
+        kept, count = [seen(c) for c in calls], len(relaunched)
+        steps, module._STEPS = module._STEPS, {}
+        calls.clear()
+        try:
+            call()
+        finally:
+            module._STEPS = steps
+        return kept, [seen(c) for c in calls], count
 
     ok = True
-    for b, n, hq, hkv, d, causal, with_dlse in [(2, 100, 4, 2, 128, True, False), (2, 100, 4, 2, 128, False, True),
-                                                (3, 65, 8, 8, 64, True, False), (1, 77, 4, 1, 256, True, True)]:
-        q, do = (torch.randn(b, n, hq, d, dtype=torch.bfloat16) for _ in range(2))
-        k, v = (torch.randn(b, n, hkv, d, dtype=torch.bfloat16) for _ in range(2))
-        o, lse, dlse = torch.randn_like(q), torch.randn(b, hq, n), torch.randn(b, hq, n) if with_dlse else None
-        out = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-        delta, empty = torch.empty((b, hq, n)), torch.empty  # one delta buffer for every call, so addresses match
-        F._STEPS.clear()
-        cfg = fwd_config(d, d, q.dtype, causal, "cuda", seqlen_q=n, seqlen_k=n)
-        runs = []
-        relaunched.clear()
-        for _ in range(3):
-            calls.clear()
-            F.forward(q, k, v, 0.1, causal, out=o, lse_out=lse, config=cfg)
-            runs.append([seen(c) for c in calls])
-        same_fwd = len(runs[0]) == 1 and runs[0] == runs[1] == runs[2] and relaunched == [True, True]
-        B._STEPS.clear()
-        relaunched.clear()
-        runs = []
-        for _ in range(3):  # the full path (it keeps the launches), then two repeats
-            calls.clear()
+    for b, n, hq, hkv, d, causal, with_dlse, out_dtype in [
+            (2, 100, 4, 2, 128, True, False, torch.bfloat16), (2, 100, 4, 2, 128, False, True, torch.float32),
+            (3, 65, 8, 8, 64, True, False, torch.bfloat16), (1, 77, 4, 1, 256, True, True, torch.bfloat16)]:
+        F._STEPS.clear(), B._STEPS.clear()
+        results = []
+        for i in range(3):  # the first call keeps the launches; the next two repeat them, each with fresh tensors
+            q, do = (torch.randn(b, n, hq, d, dtype=torch.bfloat16) for _ in range(2))
+            k, v = (torch.randn(b, n, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+            o, lse = torch.randn_like(q), torch.randn(b, hq, n)
+            dlse = torch.randn(b, hq, n) if with_dlse else None
+            out = (torch.empty(q.shape, dtype=out_dtype), torch.empty(k.shape, dtype=out_dtype),
+                   torch.empty(v.shape, dtype=out_dtype))
+            delta, empty = torch.empty((b, hq, n)), torch.empty  # one delta per call for both paths: same address
+            fcfg = fwd_config(d, d, q.dtype, causal, "cuda", seqlen_q=n, seqlen_k=n)
+            bcfg = bwd_config(d, d, q.dtype, "cuda", causal=causal)
+            fwd = twice(F, lambda: F.forward(q, k, v, 0.1, causal, out=o, lse_out=lse, config=fcfg))
             torch.empty = lambda *a, **kw: delta if a and a[0] == (b, hq, n) else empty(*a, **kw)
             try:
-                B.backward(do, q, k, v, o, lse, 0.1, causal, dlse, out=out,
-                           config=bwd_config(d, d, q.dtype, "cuda", causal=causal))
+                bwd = twice(B, lambda: B.backward(do, q, k, v, o, lse, 0.1, causal, dlse, out=out, config=bcfg))
             finally:
                 torch.empty = empty
-            runs.append([seen(c) for c in calls])
-        same = len(runs[0]) == 3 and runs[0] == runs[1] == runs[2] and relaunched == [True] * 6
-        ok &= same and same_fwd
-        print(f"B={b} N={n} Hq={hq} Hkv={hkv} d={d} causal={causal:d} dlse={with_dlse:d}: forward repeats identical: "
-              f"{same_fwd}; backward (3 launches per call) repeats identical: {same}", flush=True)
+            if i:  # repeats: relaunched, and what the full path passes for the same tensors
+                results.append(fwd[2] == 1 and fwd[0] == fwd[1] and len(fwd[0]) == 1)
+                results.append(bwd[2] == 3 and bwd[0] == bwd[1] and len(bwd[0]) == 3)
+        ok &= all(results)
+        print(f"B={b} N={n} Hq={hq} Hkv={hkv} d={d} causal={causal:d} dlse={with_dlse:d} out {out_dtype}: repeats "
+              f"(forward, backward) x 2 relaunched with the full path's arguments: {results}", flush=True)
     if not ok:
         raise SystemExit(1)
 

@@ -196,9 +196,11 @@ def _run(compiled, grid: tuple, device, values: tuple) -> None:
 class Relaunch:
     """One launch kept for repeats that differ only in their leading arguments, tensors and tensor descriptors (same
     types in the same places; every other argument equal): ``relaunch(grid, arrays)`` launches the compiled kernel
-    with them, or returns False, launching nothing, where the call might specialise differently (a tensor's 16-byte
-    alignment, a descriptor's dtype, block shape or padding changed; another device, a hook or knob set since) and so
-    needs ``launch``. ``prepare`` makes one."""
+    with them, or returns False, launching nothing, where the call might specialise differently (a tensor's type or
+    16-byte alignment, a descriptor's dtype, block shape or padding changed; another device; a hook, pre-run hook,
+    knob or global the kernel read changed since) and so needs ``launch``. The two halves are ``ready(arrays)`` and
+    ``go(grid, arrays)``, for callers that must know several launches can be repeated before starting any.
+    ``prepare`` makes one."""
 
     __slots__ = ("kernel", "compiled", "rest", "types", "aligned", "tensor_at", "descriptor_at", "descriptor_keys",
                  "device", "knobs", "options")
@@ -214,6 +216,13 @@ class Relaunch:
         self.options = options  # the launch options (num_warps...): not needed to relaunch, kept for checks
 
     def __call__(self, grid: tuple, arrays: tuple) -> bool:
+        if not self.ready(arrays):
+            return False
+        self.go(grid, arrays)
+        return True
+
+    def ready(self, arrays: tuple) -> bool:
+        """Whether a call with these leading arguments launches the kept kernel (see the class docstring)."""
         rt = knobs.runtime
         if not (enabled and _hooks_idle(rt) and not self.kernel.pre_run_hooks
                 and (rt.debug, knobs.compilation.instrumentation_mode) == self.knobs):
@@ -222,10 +231,11 @@ class Relaunch:
             return False
         if self.descriptor_at and _descriptor_keys(arrays, self.descriptor_at) != self.descriptor_keys:
             return False
-        if driver.active.get_current_device() != self.device or not _globals_unchanged(self.kernel):
-            return False
+        return driver.active.get_current_device() == self.device and _globals_unchanged(self.kernel)
+
+    def go(self, grid: tuple, arrays: tuple) -> None:
+        """Launch the kept kernel with these leading arguments; only after ``ready(arrays)``."""
         _run(self.compiled, grid, self.device, arrays + self.rest)
-        return True
 
 
 def _aligned(tensors) -> tuple:

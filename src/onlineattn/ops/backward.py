@@ -418,7 +418,8 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     if any(x.stride(-1) != 1 for x in (dq, dk, dv)):
         raise ValueError("the out buffers (dq, dk, dv) must be contiguous in their last dim")
     dlse = None if dlse is None else dlse.contiguous()
-    if mods is PLAIN and not bias_grad and launch_cache.enabled and _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config):
+    if (mods is PLAIN and not bias_grad and launch_cache.enabled
+            and _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config)):
         return dq, dk, dv, None, None
     if mods.varlen:  # packed [1, total, H, D] views, as in the forward
         q, k, v, o, do, dq, dk, dv = (x[None] for x in (q, k, v, o, do, dq, dk, dv))
@@ -483,7 +484,8 @@ def _descriptor(x, box_rows: int, box_heads: int, box_d: int):
 
 def _preprocess(o, do, lse, dlse, delta, keep: bool = False):
     """``delta = rowsum(dO ∘ O) − dlse`` for o, do ``[B, Sq, Hq, Dv]`` into delta ``[B, Hq, Sq]`` (lse's layout).
-    With ``keep``, returns ``(grid, Relaunch)`` of the launch."""
+    Returns ``(grid, Relaunch)`` of the launch: with ``keep`` the Relaunch to repeat it (None where it cannot be
+    kept), else None."""
     b, sq, hq, dv_dim = o.shape
     grid = (cdiv(sq, PREPROCESS_ROWS), b * hq)
     return grid, start(
@@ -499,7 +501,8 @@ def _preprocess(o, do, lse, dlse, delta, keep: bool = False):
 def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys, mods: Mods = PLAIN,
             keep: bool = False):
     """The dK/dV and dQ kernels over q ``[B, Sq, Hq, D]`` (with varlen ``mods``: packed ``[1, total, H, D]`` views,
-    one program column per sequence and kv head). With ``keep``, returns ``(grid, Relaunch)`` of each launch."""
+    one program column per sequence and kv head). Returns ``(grid, Relaunch)`` of each launch: with ``keep`` the
+    Relaunch to repeat it (None where it cannot be kept), else None."""
     b, sq, hq, d = q.shape
     sk, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
@@ -547,8 +550,9 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
 # ---------------------------------------------------------------------------------------------------------------
 # Repeats. A training loop runs the backward with the same shapes every step, so a plain whole-batch call keeps its
 # choices (tile, descriptor use) and its three launches (``_Step``), keyed by the metadata they depend on; a repeat
-# only swaps the tensors in (``Relaunch``) and rebuilds the descriptors around them. Where a relaunch declines (a
-# hook set, an alignment changed...), that call takes the full path, which records a fresh step.
+# only swaps the tensors in (``Relaunch``) and rebuilds the descriptors around them. All three must be ready before
+# any starts; where one is not (a hook set, an alignment changed...), the call takes the full path, which keeps a
+# fresh step.
 
 
 class _Step:
@@ -564,12 +568,14 @@ _MAX_STEPS = 256  # shapes a training process sees are few; past this the table 
 
 
 def _step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config):
-    """Everything a plain whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars,
-    and the base alignment of the tensors that may go through descriptors (``_tma_ok`` reads it)."""
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.stride(), do.stride(), lse.stride(),
-            dq.stride(), dk.stride(), dv.stride(), q.dtype, k.dtype, v.dtype, o.dtype, do.dtype, lse.dtype,
-            dq.dtype, dk.dtype, dv.dtype, q.device, None if dlse is None else (dlse.stride(), dlse.dtype), scale,
-            causal, config, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, do.data_ptr() % 16)
+    """Everything a plain whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars
+    (with their types: an int scale specialises differently), and the base alignment of the tensors that may go
+    through descriptors (``_tma_ok`` reads it)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), do.shape,
+            do.stride(), lse.shape, lse.stride(), dq.shape, dq.stride(), dk.shape, dk.stride(), dv.shape, dv.stride(),
+            q.dtype, k.dtype, v.dtype, o.dtype, do.dtype, lse.dtype, dq.dtype, dk.dtype, dv.dtype, q.device,
+            None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype), scale, type(scale), causal,
+            type(causal), config, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, do.data_ptr() % 16)
 
 
 def _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config, step: _Step) -> None:
@@ -579,7 +585,7 @@ def _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config, step
 
 
 def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> bool:
-    """Launch a plain backward seen before through its kept launches; False (nothing launched) where there is no
+    """Launch a plain backward seen before through its kept launches; False, launching nothing, where there is no
     step for this metadata or one of its launches cannot be repeated."""
     step = _STEPS.get(_step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config))
     if step is None or step.pre[1] is None or step.dkdv[1] is None or step.dq[1] is None:
@@ -587,7 +593,6 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> boo
     b, sq, hq, d = q.shape
     hkv, dv_dim = k.shape[2], v.shape[3]
     group = hq // hkv
-    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     block_d, block_dv = max(16, next_power_of_2(d)), max(16, next_power_of_2(dv_dim))
     q_arg, do_arg, k_arg, v_arg = q, do, k, v
     if step.tma_rows:
@@ -597,14 +602,15 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> boo
         keys = step.cfg.dq.block_n
         k_arg, v_arg = _descriptor(k, keys, 1, block_d), _descriptor(v, keys, 1, block_dv)
     (grid_pre, pre), (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.pre, step.dkdv, step.dq
-    if not pre(grid_pre, (o, do, lse if dlse is None else dlse, delta)):
-        return False  # nothing launched: the caller takes the full path
-    # A relaunch declines only where a hook, a knob, the device or a tensor's alignment changed since it was kept.
-    # After the delta pass has run, a decline sends both remaining kernels through the full launcher (if dK/dV had
-    # already run, it runs again: same inputs, same bits).
-    if not (dkdv(grid_dkdv, (q_arg, k, v, do_arg, lse, delta, dk, dv))
-            and dq_kernel(grid_dq, (q, k_arg, v_arg, do, lse, delta, dq))):
-        _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, step.cfg, step.tma_rows, step.tma_keys)
+    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    arrays_pre = (o, do, lse if dlse is None else dlse, delta)
+    arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
+    arrays_dq = (q, k_arg, v_arg, do, lse, delta, dq)
+    if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and dq_kernel.ready(arrays_dq)):
+        return False
+    pre.go(grid_pre, arrays_pre)
+    dkdv.go(grid_dkdv, arrays_dkdv)
+    dq_kernel.go(grid_dq, arrays_dq)
     return True
 
 

@@ -384,18 +384,18 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
 # ---------------------------------------------------------------------------------------------------------------
 # Repeats. A plain whole-batch call keeps its tile choice and its launch per metadata; a repeat swaps the tensors in
 # (``Relaunch``) and rebuilds K's and V's descriptors around them. Where the relaunch declines (a hook set, an
-# alignment changed...), the call takes the full path, which keeps a fresh launch.
+# alignment changed...), nothing is launched and the call takes the full path, which keeps a fresh launch.
 
 _STEPS: dict = {}  # metadata -> (tile, descriptor use, grid, Relaunch or None)
 _MAX_STEPS = 256  # shapes a process sees are few; past this the table starts over
 
 
 def _step_key(q, k, v, o, lse, scale, causal, config):
-    """What a plain whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars, and the
-    base alignment of K and V (``_tma_ok`` reads it)."""
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.stride(), lse.stride(), q.dtype,
-            k.dtype, v.dtype, o.dtype, lse.dtype, q.device, scale, causal, config, k.data_ptr() % 16,
-            v.data_ptr() % 16)
+    """What a plain whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars (with
+    their types), and the base alignment of K and V (``_tma_ok`` reads it)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
+            lse.stride(), q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype, q.device, scale, type(scale), causal,
+            type(causal), config, k.data_ptr() % 16, v.data_ptr() % 16)
 
 
 def _remember(key, step) -> None:
