@@ -8,12 +8,13 @@ the C launch. Kernels compile for sm_90 with Triton's ptxas (cached on disk afte
     python benchmarks/probe_launch.py decode          # host µs of one attention_with_kvcache call (API and op)
     python benchmarks/probe_launch.py step            # host µs of attention + autograd.grad (a training step)
     python benchmarks/probe_launch.py check [i ...]   # every cached launch is the kernel run() would pick
+    python benchmarks/probe_launch.py repeat          # kept fwd/bwd launches pass what the full path passes
     python benchmarks/probe_launch.py gpu [i ...]     # on the GPU: outputs bitwise equal with the cache off / on
 
 ``check`` runs on the GPU machine too, with the real driver and CUDA tensors. The case indices are those of
 tests/ops/test_launch.py's ``CASES``.
 
-``check`` wraps ``launch`` and ``Relaunch`` (decode's repeats): after each call it asks Triton's own
+``check`` wraps ``launch`` and ``Relaunch.go`` (the kept launches): after each call it asks Triton's own
 ``run(..., warmup=True)`` for the kernel of the same arguments and requires the very object the cached path launched.
 """
 
@@ -193,7 +194,7 @@ def gpu(*indices: str) -> None:
 def check(*indices: str) -> None:
     """Forward, backward and decode over the cases of tests/ops/test_launch.py (those at ``indices``, else all; each
     distinct specialisation compiles once, seconds each), every call twice: a miss, then a hit."""
-    from onlineattn.ops import _launch, backward, forward
+    from onlineattn.ops import _launch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU machine: real launches, real driver
     launched = []
@@ -207,20 +208,17 @@ def check(*indices: str) -> None:
             print(f"MISMATCH {kernel.fn.__name__}", flush=True)
         return compiled
 
-    for module in (forward, backward, _launch):  # decode launches through _launch.prepare, which calls launch
-        module.launch = checked
-    relaunch = _launch.Relaunch.__call__
+    _launch.launch = checked  # forward and backward launch through _launch.start, decode through prepare: both call it
+    relaunch = _launch.Relaunch.go
 
-    def checked_relaunch(self, grid, tensors):  # decode's repeats: the kernel run() would pick for the same call
-        done = relaunch(self, grid, tensors)
-        if done:
-            expected = self.kernel.run(*tensors, *self.rest, grid=grid, warmup=True, **self.options)
-            launched.append(self.compiled is expected)
-            if self.compiled is not expected:
-                print(f"MISMATCH relaunch {self.kernel.fn.__name__}", flush=True)
-        return done
+    def checked_relaunch(self, grid, arrays):  # kept launches (decode, forward, backward): run()'s kernel
+        relaunch(self, grid, arrays)
+        expected = self.kernel.run(*arrays, *self.rest, grid=grid, warmup=True, **self.options)
+        launched.append(self.compiled is expected)
+        if self.compiled is not expected:
+            print(f"MISMATCH relaunch {self.kernel.fn.__name__}", flush=True)
 
-    _launch.Relaunch.__call__ = checked_relaunch
+    _launch.Relaunch.go = checked_relaunch
     misses = []  # launches that went through run() (warmup=False): the rest were cache hits
     run = triton.runtime.jit.JITFunction.run
 
@@ -244,12 +242,80 @@ def check(*indices: str) -> None:
         raise SystemExit(1)
 
 
+def repeat() -> None:
+    """The forward's and the backward's repeats (``_repeat``: kept launches) hand the launcher exactly what the full
+    path hands it for the same call: tensors by address, descriptors by their fields, every scalar, the grids. Each
+    call has fresh tensors and runs twice, through the kept launches and then through the full path (an empty step
+    table). CPU machine only (the launcher records instead of launching)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from onlineattn.ops import _launch
+    from onlineattn.ops import backward as B
+    from onlineattn.ops import forward as F
+    from onlineattn.ops._configs import bwd_config, fwd_config
+
+    calls, relaunched = [], []
+    Sm90NoLaunch.launcher_cls = lambda self, src, metadata: lambda *args: calls.append(args)
+    go = _launch.Relaunch.go
+    _launch.Relaunch.go = lambda self, grid, arrays: relaunched.append(1) or go(self, grid, arrays)
+
+    def seen(args):  # grid, then the arguments after stream, function, metadata and hooks
+        return args[:3], [("desc", a.base.data_ptr(), tuple(a.shape), tuple(a.strides), tuple(a.block_shape),
+                           a.padding) if isinstance(a, TensorDescriptor) else
+                          ("tensor", a.data_ptr()) if isinstance(a, torch.Tensor) else (type(a), a) for a in args[9:]]
+
+    def twice(module, call):
+        """(launches through the kept steps, launches through the full path) of one call, and the relaunch count."""
+        calls.clear(), relaunched.clear()
+        call()
+        kept, count = [seen(c) for c in calls], len(relaunched)
+        steps, module._STEPS = module._STEPS, {}
+        calls.clear()
+        try:
+            call()
+        finally:
+            module._STEPS = steps
+        return kept, [seen(c) for c in calls], count
+
+    ok = True
+    for b, n, hq, hkv, d, causal, with_dlse, out_dtype in [
+            (2, 100, 4, 2, 128, True, False, torch.bfloat16), (2, 100, 4, 2, 128, False, True, torch.float32),
+            (3, 65, 8, 8, 64, True, False, torch.bfloat16), (1, 77, 4, 1, 256, True, True, torch.bfloat16)]:
+        F._STEPS.clear(), B._STEPS.clear()
+        results = []
+        for i in range(3):  # the first call keeps the launches; the next two repeat them, each with fresh tensors
+            q, do = (torch.randn(b, n, hq, d, dtype=torch.bfloat16) for _ in range(2))
+            k, v = (torch.randn(b, n, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+            o, lse = torch.randn_like(q), torch.randn(b, hq, n)
+            dlse = torch.randn(b, hq, n) if with_dlse else None
+            out = (torch.empty(q.shape, dtype=out_dtype), torch.empty(k.shape, dtype=out_dtype),
+                   torch.empty(v.shape, dtype=out_dtype))
+            delta, empty = torch.empty((b, hq, n)), torch.empty  # one delta per call for both paths: same address
+            fcfg = fwd_config(d, d, q.dtype, causal, "cuda", seqlen_q=n, seqlen_k=n)
+            bcfg = bwd_config(d, d, q.dtype, "cuda", causal=causal)
+            fwd = twice(F, lambda: F.forward(q, k, v, 0.1, causal, out=o, lse_out=lse, config=fcfg))
+            torch.empty = lambda *a, **kw: delta if a and a[0] == (b, hq, n) else empty(*a, **kw)
+            try:
+                bwd = twice(B, lambda: B.backward(do, q, k, v, o, lse, 0.1, causal, dlse, out=out, config=bcfg))
+            finally:
+                torch.empty = empty
+            if i:  # repeats: relaunched, and what the full path passes for the same tensors
+                results.append(fwd[2] == 1 and fwd[0] == fwd[1] and len(fwd[0]) == 1)
+                results.append(bwd[2] == 3 and bwd[0] == bwd[1] and len(bwd[0]) == 3)
+        ok &= all(results)
+        print(f"B={b} N={n} Hq={hq} Hkv={hkv} d={d} causal={causal:d} dlse={with_dlse:d} out {out_dtype}: repeats "
+              f"(forward, backward) x 2 relaunched with the full path's arguments: {results}", flush=True)
+    if not ok:
+        raise SystemExit(1)
+
+
 if __name__ == "__main__":
     os.environ.pop("TRITON_INTERPRET", None)  # read when onlineattn's kernels are decorated, below
     sys.path.insert(0, str(ROOT / "src"))
     mode = sys.argv[1] if len(sys.argv) > 1 else "time"
     if not torch.cuda.is_available():
         triton.runtime.driver.set_active(Sm90NoLaunch())
-    elif mode in ("time", "decode", "step"):
+    elif mode in ("time", "decode", "step", "repeat"):
         raise SystemExit("time stubs the launches: run it where CUDA is absent (on the GPU: probe_host.py)")
-    {"time": time_calls, "decode": time_decode, "step": time_step, "check": check, "gpu": gpu}[mode](*sys.argv[2:])
+    {"time": time_calls, "decode": time_decode, "step": time_step, "check": check, "gpu": gpu,
+     "repeat": repeat}[mode](*sys.argv[2:])

@@ -1,8 +1,8 @@
 """The launch cache (ops/_launch.py): its key must determine Triton's own cache key, and its bound arguments must be the
 ones ``JITFunction.run`` passes to the launcher.
 
-The cases call the real launchers (forward, backward, decode) with ``launch`` replaced by a recorder, so no kernel runs
-and the checks hold on CPU. Triton's key for each recorded call comes from Triton's own binder for an sm_90 backend,
+The cases call the real launchers (forward, backward, decode) with their launch entry points (``start``,
+``prepare``) replaced by a recorder, so no kernel runs and the checks hold on CPU. Triton's key for each recorded call comes from Triton's own binder for an sm_90 backend,
 as ``run`` computes it. benchmarks/probe_launch.py ``check`` replays the same cases through compiled sm_90 kernels.
 """
 
@@ -132,18 +132,23 @@ def call_case(case: Case, device="cpu") -> list:
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """Every ``launch`` call of the launchers, as (kernel, grid, args, kwargs); nothing runs."""
+    """Every launch of the launchers (``start`` in forward and backward, ``prepare`` in decode), as (kernel, grid,
+    args, kwargs); nothing runs."""
     calls = []
 
     def record(kernel, grid, *args, **kwargs):
         calls.append((kernel, grid, args, kwargs))
 
-    def record_prepare(kernel, grid, n_tensors, *args, **kwargs):
+    def record_prepare(kernel, grid, n_arrays, *args, **kwargs):
         record(kernel, grid, *args, **kwargs)
-        assert all(isinstance(x, torch.Tensor) for x in args[:n_tensors])
+        assert all(isinstance(x, (torch.Tensor, TensorDescriptor)) for x in args[:n_arrays])
 
-    for module in (forward, backward):
-        monkeypatch.setattr(module, "launch", record)
+    def record_start(keep, kernel, grid, n_arrays, *args, **kwargs):
+        record_prepare(kernel, grid, n_arrays, *args, **kwargs)
+
+    for module in (forward, backward):  # no kept launch of an earlier test may bypass the recorder
+        monkeypatch.setattr(module, "start", record_start)
+        monkeypatch.setattr(module, "_STEPS", {})
     monkeypatch.setattr(decode, "prepare", record_prepare)
     return calls
 

@@ -50,13 +50,13 @@ MAX_ENTRIES = 1024  # per kernel: shapes enter the key, so a stream of new shape
 class _Layout:
     """Where the tensors, descriptors and plain values sit in one kernel's bound arguments, for one tuple of types."""
 
-    __slots__ = ("values", "tensors", "tensor_positions", "descriptors")
+    __slots__ = ("values", "tensors", "array_positions", "descriptors")
 
     def __init__(self, types: tuple):
         positions = lambda kinds: [i for i, t in enumerate(types) if t in kinds]  # noqa: E731
         self.values = _getter(positions(_VALUE_TYPES))
         self.tensors = _getter(positions(_TENSOR_TYPES))
-        self.tensor_positions = tuple(positions(_TENSOR_TYPES))
+        self.array_positions = tuple(positions(_TENSOR_TYPES | {TensorDescriptor}))  # what a Relaunch may swap
         self.descriptors = _getter(positions({TensorDescriptor}))
 
 
@@ -194,48 +194,80 @@ def _run(compiled, grid: tuple, device, values: tuple) -> None:
 
 
 class Relaunch:
-    """One launch kept for repeats that differ only in their leading tensor arguments (same dtypes, same places; every
-    other argument equal): ``relaunch(grid, tensors)`` launches the compiled kernel with those tensors, or returns
-    False, launching nothing, where the call might specialise differently (a tensor's 16-byte alignment changed,
-    another device, a hook or knob set since) and so needs ``launch``. ``prepare`` makes one."""
+    """One launch kept for repeats that differ only in their leading arguments, tensors and tensor descriptors (same
+    types in the same places; every other argument equal): ``relaunch(grid, arrays)`` launches the compiled kernel
+    with them, or returns False, launching nothing, where the call might specialise differently (a tensor's type or
+    16-byte alignment, a descriptor's dtype, block shape or padding changed; another device; a hook, pre-run hook,
+    knob or global the kernel read changed since) and so needs ``launch``. The two halves are ``ready(arrays)`` and
+    ``go(grid, arrays)``, for callers that must know several launches can be repeated before starting any.
+    ``prepare`` makes one."""
 
-    __slots__ = ("kernel", "compiled", "rest", "types", "aligned", "device", "knobs", "options")
+    __slots__ = ("kernel", "compiled", "rest", "types", "aligned", "tensor_at", "descriptor_at", "descriptor_keys",
+                 "device", "knobs", "options")
 
-    def __init__(self, kernel, compiled, rest: tuple, types: tuple, aligned: tuple, device, knob_values: tuple,
-                 options: dict):
-        self.kernel, self.compiled, self.rest, self.types, self.aligned = kernel, compiled, rest, types, aligned
+    def __init__(self, kernel, compiled, arrays: tuple, rest: tuple, device, knob_values: tuple, options: dict):
+        self.kernel, self.compiled, self.rest = kernel, compiled, rest
+        self.types = tuple(map(type, arrays))
+        self.tensor_at = _getter([i for i, t in enumerate(self.types) if t is not TensorDescriptor])
+        self.descriptor_at = [i for i, t in enumerate(self.types) if t is TensorDescriptor]
+        self.aligned = _aligned(self.tensor_at(arrays))
+        self.descriptor_keys = _descriptor_keys(arrays, self.descriptor_at)
         self.device, self.knobs = device, knob_values
         self.options = options  # the launch options (num_warps...): not needed to relaunch, kept for checks
 
-    def __call__(self, grid: tuple, tensors: tuple) -> bool:
+    def __call__(self, grid: tuple, arrays: tuple) -> bool:
+        if not self.ready(arrays):
+            return False
+        self.go(grid, arrays)
+        return True
+
+    def ready(self, arrays: tuple) -> bool:
+        """Whether a call with these leading arguments launches the kept kernel (see the class docstring)."""
         rt = knobs.runtime
         if not (enabled and _hooks_idle(rt) and not self.kernel.pre_run_hooks
                 and (rt.debug, knobs.compilation.instrumentation_mode) == self.knobs):
             return False
-        if tuple(map(type, tensors)) != self.types or tuple([x.data_ptr() % 16 == 0 for x in tensors]) != self.aligned:
+        if tuple(map(type, arrays)) != self.types or _aligned(self.tensor_at(arrays)) != self.aligned:
             return False
-        if driver.active.get_current_device() != self.device or not _globals_unchanged(self.kernel):
+        if self.descriptor_at and _descriptor_keys(arrays, self.descriptor_at) != self.descriptor_keys:
             return False
-        _run(self.compiled, grid, self.device, tensors + self.rest)
-        return True
+        return driver.active.get_current_device() == self.device and _globals_unchanged(self.kernel)
+
+    def go(self, grid: tuple, arrays: tuple) -> None:
+        """Launch the kept kernel with these leading arguments; only after ``ready(arrays)``."""
+        _run(self.compiled, grid, self.device, arrays + self.rest)
 
 
-def prepare(kernel, grid: tuple, n_tensors: int, *args, **kwargs):
+def _aligned(tensors) -> tuple:
+    return tuple([x.data_ptr() % 16 == 0 for x in tensors])
+
+
+def _descriptor_keys(arrays: tuple, positions: list) -> tuple:
+    """What Triton specialises a tensor descriptor on (as ``bind``'s key): base dtype, block shape, padding."""
+    return tuple([(arrays[i].base.dtype, tuple(arrays[i].block_shape), arrays[i].padding) for i in positions])
+
+
+def prepare(kernel, grid: tuple, n_arrays: int, *args, **kwargs):
     """``launch(kernel, grid, *args, **kwargs)``, then a ``Relaunch`` of it for repeats that change only the first
-    ``n_tensors`` arguments (tensors); None where this call is not one the cache keeps, or where its tensors are not
-    exactly those first arguments."""
+    ``n_arrays`` arguments (tensors or tensor descriptors); None where this call is not one the cache keeps, or where
+    its tensors and descriptors are not exactly those first arguments."""
     launch(kernel, grid, *args, **kwargs)
     looked = _lookup(kernel, grid, args, kwargs)
     if looked is None:
         return None
     _, values, key, device, compiled = looked
-    if compiled is None or key[0][0].tensor_positions != tuple(range(n_tensors)):  # tensors lead, all of them
+    if compiled is None or key[0][0].array_positions != tuple(range(n_arrays)):  # arrays lead, all of them
         return None
-    tensors = values[:n_tensors]
-    aligned = tuple([x.data_ptr() % 16 == 0 for x in tensors])
     options = {name: kwargs[name] for name in key[0][4]}
-    return Relaunch(kernel, compiled, tuple(values[n_tensors:]), tuple(map(type, tensors)), aligned, device,
-                    key[2:], options)
+    return Relaunch(kernel, compiled, tuple(values[:n_arrays]), tuple(values[n_arrays:]), device, key[2:], options)
+
+
+def start(keep: bool, kernel, grid: tuple, n_arrays: int, *args, **kwargs):
+    """``launch``; with ``keep``, ``prepare`` instead, returning its ``Relaunch`` (None where it cannot be kept)."""
+    if keep:
+        return prepare(kernel, grid, n_arrays, *args, **kwargs)
+    launch(kernel, grid, *args, **kwargs)
+    return None
 
 
 _MISSING = object()

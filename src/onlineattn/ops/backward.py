@@ -34,11 +34,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._mods import PLAIN, Mods
 from ..torch_impl import BWD_SCHEMA, fake_backward, op_outputs, refuse_double_backward
 from . import bias_grad as bias_grad_kernel
+from . import _launch as launch_cache
 from ._common import (
     LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, row_tile, sequence_bounds,
 )
 from ._configs import bwd_config
-from ._launch import cdiv, launch, next_power_of_2
+from ._launch import cdiv, next_power_of_2, start
 from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, variant_args
 
 PREPROCESS_ROWS = 64  # rows per program of the delta pass: it streams O and dO once, any tile saturates bandwidth
@@ -418,6 +419,9 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     if any(x.stride(-1) != 1 for x in (dq, dk, dv)):
         raise ValueError("the out buffers (dq, dk, dv) must be contiguous in their last dim")
     dlse = None if dlse is None else dlse.contiguous()
+    if (mods is PLAIN and not bias_grad and launch_cache.enabled
+            and _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config)):
+        return dq, dk, dv, None, None
     if mods.varlen:  # packed [1, total, H, D] views, as in the forward
         q, k, v, o, do, dq, dk, dv = (x[None] for x in (q, k, v, o, do, dq, dk, dv))
         lse, dlse = lse[None], None if dlse is None else dlse[None]
@@ -451,8 +455,13 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
             check_int32_offsets(q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse)
             for rows in batch_slices(b, max(hq, hkv)):
                 if rows == slice(0, b):  # the whole batch: no views to make (each costs host time)
-                    _preprocess(o, do, lse, dlse, delta)
-                    _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys, mods)
+                    keep = mods is PLAIN and launch_cache.enabled  # a plain call is kept for its repeats (_repeat)
+                    pre = _preprocess(o, do, lse, dlse, delta, keep)
+                    kernels = _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys,
+                                      mods, keep)
+                    if keep:
+                        _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config,
+                                  _Step(cfg, tma_rows, tma_keys, pre, *kernels))
                     continue
                 _preprocess(o[rows], do[rows], lse[rows], None if dlse is None else dlse[rows], delta[rows])
                 _launch(do[rows], q[rows], k[rows], v[rows], lse[rows], delta[rows], dq[rows], dk[rows], dv[rows],
@@ -474,11 +483,14 @@ def _descriptor(x, box_rows: int, box_heads: int, box_d: int):
     return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, box_rows, box_heads, box_d])
 
 
-def _preprocess(o, do, lse, dlse, delta) -> None:
-    """``delta = rowsum(dO ∘ O) − dlse`` for o, do ``[B, Sq, Hq, Dv]`` into delta ``[B, Hq, Sq]`` (lse's layout)."""
+def _preprocess(o, do, lse, dlse, delta, keep: bool = False):
+    """``delta = rowsum(dO ∘ O) − dlse`` for o, do ``[B, Sq, Hq, Dv]`` into delta ``[B, Hq, Sq]`` (lse's layout).
+    Returns ``(grid, Relaunch)`` of the launch: with ``keep`` the Relaunch to repeat it (None where it cannot be
+    kept), else None."""
     b, sq, hq, dv_dim = o.shape
-    launch(
-        attention_bwd_preprocess_kernel, (cdiv(sq, PREPROCESS_ROWS), b * hq),
+    grid = (cdiv(sq, PREPROCESS_ROWS), b * hq)
+    return grid, start(
+        keep, attention_bwd_preprocess_kernel, grid, 4,
         o, do, lse if dlse is None else dlse, delta,
         *o.stride()[:3], *do.stride()[:3], *delta.stride()[:2],
         sq, hq,
@@ -487,9 +499,11 @@ def _preprocess(o, do, lse, dlse, delta) -> None:
     )
 
 
-def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys, mods: Mods = PLAIN) -> None:
+def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys, mods: Mods = PLAIN,
+            keep: bool = False):
     """The dK/dV and dQ kernels over q ``[B, Sq, Hq, D]`` (with varlen ``mods``: packed ``[1, total, H, D]`` views,
-    one program column per sequence and kv head)."""
+    one program column per sequence and kv head). Returns ``(grid, Relaunch)`` of each launch: with ``keep`` the
+    Relaunch to repeat it (None where it cannot be kept), else None."""
     b, sq, hq, d = q.shape
     sk, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
@@ -513,8 +527,9 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     if tma_rows:
         q_arg = _descriptor(q, t.block_m // group, group, block_d)
         do_arg = _descriptor(do, t.block_m // group, group, block_dv)
-    launch(
-        attention_bwd_dkdv_kernel, (cdiv(sk, t.block_n), b * hkv),
+    grid_dkdv = (cdiv(sk, t.block_n), b * hkv)
+    dkdv = start(
+        keep, attention_bwd_dkdv_kernel, grid_dkdv, 8,
         q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
         **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, SPLIT_SCORES=t.split_scores,
         num_warps=t.num_warps, num_stages=t.num_stages,
@@ -523,12 +538,81 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     k_arg, v_arg = k, v
     if tma_keys:
         k_arg, v_arg = _descriptor(k, t.block_n, 1, block_d), _descriptor(v, t.block_n, 1, block_dv)
-    launch(
-        attention_bwd_dq_kernel, (cdiv(sq * group, t.block_m), b * hkv),
+    grid_dq = (cdiv(sq * group, t.block_m), b * hkv)
+    dq_kernel = start(
+        keep, attention_bwd_dq_kernel, grid_dq, 7,
         q, k_arg, v_arg, do, lse, delta, dq, *strides_in, *strides_dq, *strides_lse, *scalars, **variants,
         **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_keys, num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
+    return (grid_dkdv, dkdv), (grid_dq, dq_kernel)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Repeats. A training loop runs the backward with the same shapes every step, so a plain whole-batch call keeps its
+# choices (tile, descriptor use) and its three launches (``_Step``), keyed by the metadata they depend on; a repeat
+# only swaps the tensors in (``Relaunch``) and rebuilds the descriptors around them. All three must be ready before
+# any starts; where one is not (a hook set, an alignment changed...), the call takes the full path, which keeps a
+# fresh step.
+
+
+class _Step:
+    __slots__ = ("cfg", "tma_rows", "tma_keys", "pre", "dkdv", "dq")
+
+    def __init__(self, cfg, tma_rows: bool, tma_keys: bool, pre, dkdv, dq):
+        self.cfg, self.tma_rows, self.tma_keys = cfg, tma_rows, tma_keys
+        self.pre, self.dkdv, self.dq = pre, dkdv, dq  # each (grid, Relaunch or None)
+
+
+_STEPS: dict = {}
+_MAX_STEPS = 256  # shapes a training process sees are few; past this the table starts over
+
+
+def _step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config):
+    """Everything a plain whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars
+    (with their types: an int scale specialises differently), and the base alignment of the tensors that may go
+    through descriptors (``_tma_ok`` reads it)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), do.shape,
+            do.stride(), lse.shape, lse.stride(), dq.shape, dq.stride(), dk.shape, dk.stride(), dv.shape, dv.stride(),
+            q.dtype, k.dtype, v.dtype, o.dtype, do.dtype, lse.dtype, dq.dtype, dk.dtype, dv.dtype, q.device,
+            None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype), scale, type(scale), causal,
+            type(causal), config, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, do.data_ptr() % 16)
+
+
+def _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config, step: _Step) -> None:
+    if len(_STEPS) >= _MAX_STEPS:
+        _STEPS.clear()
+    _STEPS[_step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config)] = step
+
+
+def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> bool:
+    """Launch a plain backward seen before through its kept launches; False, launching nothing, where there is no
+    step for this metadata or one of its launches cannot be repeated."""
+    step = _STEPS.get(_step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config))
+    if step is None or step.pre[1] is None or step.dkdv[1] is None or step.dq[1] is None:
+        return False
+    b, sq, hq, d = q.shape
+    hkv, dv_dim = k.shape[2], v.shape[3]
+    group = hq // hkv
+    block_d, block_dv = max(16, next_power_of_2(d)), max(16, next_power_of_2(dv_dim))
+    q_arg, do_arg, k_arg, v_arg = q, do, k, v
+    if step.tma_rows:
+        rows = step.cfg.dkdv.block_m // group
+        q_arg, do_arg = _descriptor(q, rows, group, block_d), _descriptor(do, rows, group, block_dv)
+    if step.tma_keys:
+        keys = step.cfg.dq.block_n
+        k_arg, v_arg = _descriptor(k, keys, 1, block_d), _descriptor(v, keys, 1, block_dv)
+    (grid_pre, pre), (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.pre, step.dkdv, step.dq
+    delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+    arrays_pre = (o, do, lse if dlse is None else dlse, delta)
+    arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
+    arrays_dq = (q, k_arg, v_arg, do, lse, delta, dq)
+    if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and dq_kernel.ready(arrays_dq)):
+        return False
+    pre.go(grid_pre, arrays_pre)
+    dkdv.go(grid_dkdv, arrays_dkdv)
+    dq_kernel.go(grid_dq, arrays_dq)
+    return True
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -18,12 +18,13 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._mods import PLAIN, Mods, bias_4d
 from ..torch_impl import FWD_SCHEMA, autograd_formula, fake_forward, plain_eager, save_for_backward
+from . import _launch as launch_cache
 from ._common import (
     LOG2E, band_key_range, finalize_state, keep_scale, key_range, row_tile, score_mod, sequence_bounds, softmax_probs,
     tile_order, visible,
 )
 from ._configs import fwd_config
-from ._launch import cdiv, launch, next_power_of_2
+from ._launch import cdiv, next_power_of_2, start
 
 
 @triton.jit
@@ -283,6 +284,8 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
     lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if lse_out is None else lse_out
     if o.stride(-1) != 1 or lse.stride(-1) != 1:
         raise ValueError("out and lse_out must be contiguous in their last dim")
+    if mods is PLAIN and launch_cache.enabled and _repeat(q, k, v, o, lse, scale, causal, config):
+        return o, lse
     if q.numel() == 0 or o.numel() == 0:
         return o, lse
     if k.shape[-3] == 0:  # no key at all: every row is empty (and a descriptor cannot have a zero-sized dim)
@@ -305,7 +308,10 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
     check_int32_offsets(q=q, o=o, lse=lse, **({} if use_tma else {"k": k, "v": v}))  # descriptors index K/V
     for batch in batch_slices(q.shape[0], hkv):
         if batch == slice(0, q.shape[0]):  # the whole batch: no views to make (each costs host time)
-            _launch(q, k, v, o, lse, scale, causal, cfg, use_tma, mods)
+            keep = mods is PLAIN and launch_cache.enabled  # a plain call is kept for its repeats (_repeat)
+            kept = _launch(q, k, v, o, lse, scale, causal, cfg, use_tma, mods, keep=keep)
+            if keep:
+                _remember(_step_key(q, k, v, o, lse, scale, causal, config), (cfg, use_tma, *kept))
         else:
             _launch(q[batch], k[batch], v[batch], o[batch], lse[batch], scale, causal, cfg, use_tma,
                     mods.batch_slice(batch))
@@ -346,7 +352,10 @@ _PLAIN_ARGS = {  # what variant_args gives without variants, built once: the pla
 }
 
 
-def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mods: Mods = PLAIN) -> None:
+def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mods: Mods = PLAIN,
+            keep: bool = False):
+    """Launch the kernel over q ``[B, Sq, Hq, D]`` (varlen: packed ``[1, total, H, D]`` views). With ``keep``, returns
+    ``(grid, Relaunch or None)`` of the launch."""
     b, sq, hq, d = q.shape
     sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
@@ -360,8 +369,8 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
         b, sq, sk = mods.cu_seqlens_q.shape[0] - 1, mods.max_seqlen_q, mods.max_seqlen_k
         strides = tuple(x for t, n in ((q, 3), (k, 3), (v, 3), (o, 3), (lse, 2)) for x in (0, *t.stride()[1:n]))
     grid = (cdiv(sq * group, cfg.block_m), b * hkv)
-    launch(
-        attention_fwd_kernel, grid, q, k_arg, v_arg, o, lse, *strides,
+    return grid, start(
+        keep, attention_fwd_kernel, grid, 5, q, k_arg, v_arg, o, lse, *strides,
         sq, sk, hkv, scale * LOG2E,
         **variant_args(mods, causal, scale, b, hq, sq, sk),
         GROUP=group, HEAD_DIM=d, HEAD_DIM_V=dv,
@@ -370,6 +379,43 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
         USE_TMA=use_tma, WARP_SPECIALIZE=cfg.warp_specialize, HEADS_PER_GROUP=cfg.heads_per_group,
         PIPELINE=cfg.pipeline, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Repeats. A plain whole-batch call keeps its tile choice and its launch per metadata; a repeat swaps the tensors in
+# (``Relaunch``) and rebuilds K's and V's descriptors around them. Where the relaunch declines (a hook set, an
+# alignment changed...), nothing is launched and the call takes the full path, which keeps a fresh launch.
+
+_STEPS: dict = {}  # metadata -> (tile, descriptor use, grid, Relaunch or None)
+_MAX_STEPS = 256  # shapes a process sees are few; past this the table starts over
+
+
+def _step_key(q, k, v, o, lse, scale, causal, config):
+    """What a plain whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars (with
+    their types), and the base alignment of K and V (``_tma_ok`` reads it)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
+            lse.stride(), q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype, q.device, scale, type(scale), causal,
+            type(causal), config, k.data_ptr() % 16, v.data_ptr() % 16)
+
+
+def _remember(key, step) -> None:
+    if len(_STEPS) >= _MAX_STEPS:
+        _STEPS.clear()
+    _STEPS[key] = step
+
+
+def _repeat(q, k, v, o, lse, scale, causal, config) -> bool:
+    """Launch a plain forward seen before through its kept launch; False (nothing launched) where there is none."""
+    step = _STEPS.get(_step_key(q, k, v, o, lse, scale, causal, config))
+    if step is None or step[3] is None:
+        return False
+    cfg, use_tma, grid, relaunch = step
+    k_arg, v_arg = k, v
+    if use_tma:
+        block_d, block_dv = max(16, next_power_of_2(q.shape[3])), max(16, next_power_of_2(v.shape[3]))
+        k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, cfg.block_n, 1, block_d])
+        v_arg = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, cfg.block_n, 1, block_dv])
+    return relaunch(grid, (q, k_arg, v_arg, o, lse))
 
 
 # ---------------------------------------------------------------------------------------------------------------
