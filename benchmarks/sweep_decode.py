@@ -5,6 +5,9 @@ Usage (on the GPU machine):
     PYTHONPATH=src python3 benchmarks/sweep_decode.py --quick            # the table's tile and the split rule, + host
     PYTHONPATH=src python3 benchmarks/sweep_decode.py --json $OUT/sweep_decode.json   # every tile and split count
 
+``--paged PAGE`` runs every case on a page pool of that page size with a random block table (the bench's
+``onlineattn-paged`` layout), so the paged kernel's tiles and stages are swept the same way.
+
 ``--cold`` times each call with the L2 cache cleared before it and the GPU held busy while the call is enqueued (a
 sleep kernel after the clear), so the events time the kernel's own work from HBM, without the host: what an eager
 decode step costs on the device when other work (the model's other layers) has evicted this layer's K/V.
@@ -30,7 +33,7 @@ from onlineattn.ops.decode import attention_with_kvcache as kernel_call
 HQ, HKV, D = 32, 8, 128
 CASES = [(1, 4096), (1, 32768), (1, 131072), (16, 4096), (16, 32768), (16, 131072), (64, 4096), (64, 32768),
          (64, 131072)]
-TILES = [C.DecodeConfig(bn, 64, w, s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4))]
+TILES = [C.DecodeConfig(bn, 64, w, s) for bn, w, s in itertools.product((32, 64, 128), (4, 8), (2, 3, 4, 5))]
 SPLITS = (1, 2, 4, 8, 12, 16, 24, 32, 64)
 
 
@@ -38,11 +41,17 @@ def _time(fn, cold):
     return time_cold(fn) if cold else triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median")
 
 
-def _inputs(b, length):
+def _inputs(b, length, page=0):
+    """q, the caches, the lengths and the block table (None unless ``page``: then a pool of pages in random order)."""
     q = torch.randn(b, 1, HQ, D, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(b, length, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
-    return q, k, v, lens
+    if not page:
+        k, v = (torch.randn(b, length, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        return q, k, v, lens, None
+    per_seq = -(-length // page)
+    k, v = (torch.randn(b * per_seq, page, HKV, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    table = torch.randperm(b * per_seq, device="cuda").reshape(b, per_seq).int()
+    return q, k, v, lens, table
 
 
 def _auto(b, length):
@@ -56,8 +65,8 @@ def _label(tile, splits):
     return f"bn{tile.block_n} w{tile.num_warps} s{tile.num_stages} sp{splits}"
 
 
-def sweep_case(b, length, tiles, splits_list, results, cold=False):
-    q, k, v, lens = _inputs(b, length)
+def sweep_case(b, length, tiles, splits_list, results, cold=False, page=0):
+    q, k, v, lens, table = _inputs(b, length, page)
     tbps = lambda ms: 2 * b * length * HKV * D * 2 / ms / 1e9
     auto_tile, auto_splits = _auto(b, length)
     configs = [("auto", auto_tile, auto_splits)]
@@ -65,7 +74,7 @@ def sweep_case(b, length, tiles, splits_list, results, cold=False):
     configs += [("splits", auto_tile, s) for s in splits_list]
     scores = []
     for kind, tile, splits in configs:
-        fn = lambda: kernel_call(q, k, v, None, None, lens, None, D**-0.5, False, splits, max_seqlen_k=length,
+        fn = lambda: kernel_call(q, k, v, None, None, lens, table, D**-0.5, False, splits, max_seqlen_k=length,
                                  return_lse=False, config=tile)
         try:
             fn()
@@ -77,19 +86,19 @@ def sweep_case(b, length, tiles, splits_list, results, cold=False):
             continue
         used = splits or C.decode_num_splits(b * HKV, length, _sm_count(q.device), tile.block_n)
         scores.append((tbps(ms), ms, tile, used, kind))
-        results.append({"B": b, "L": length, "kind": kind, "cold": cold, "tile": tile.__dict__, "splits": used,
+        results.append({"B": b, "L": length, "page": page, "kind": kind, "cold": cold, "tile": tile.__dict__, "splits": used,
                         "us": round(ms * 1e3, 2), "tbps": round(tbps(ms), 3)})
     auto = scores[0] if scores and scores[0][4] == "auto" else None
     scores.sort(key=lambda t: -t[0])
     top = ", ".join(f"{tb:.2f} ({ms * 1e3:.1f}us) {_label(t, sp)}" for tb, ms, t, sp, _ in scores[:4])
     shown = f"{auto[0]:.2f} TB/s ({auto[1] * 1e3:.1f}us) {_label(auto[2], auto[3])}" if auto else "failed"
-    print(f"B={b} L={length}: auto {shown} | best {top}", flush=True)
+    print(f"B={b} L={length}{f' page {page}' if page else ''}: auto {shown} | best {top}", flush=True)
 
 
 def host_times(results):
     """Host time of one eager call at B = 1, L = 4096 (the time to return, without waiting), and wall time with the
     GPU's work included, for the bare launcher and the API with and without its checks and a new token appended."""
-    q, k, v, lens = _inputs(1, 4096)
+    q, k, v, lens, _ = _inputs(1, 4096)
     k_new, v_new = k[:, :1].clone(), v[:, :1].clone()
     before = lens - 1
     for name, fn in [
@@ -121,11 +130,13 @@ def main():
     ap.add_argument("--quick", action="store_true", help="only the automatic choice per case, then the host times")
     ap.add_argument("--no-host", action="store_true", help="skip the host-time measurement")
     ap.add_argument("--cold", action="store_true", help="time from HBM, GPU held ahead of the host (docstring)")
+    ap.add_argument("--paged", type=int, default=0, metavar="PAGE", help="page pool of this page size (docstring)")
     args = ap.parse_args()
     cases = [tuple(map(int, c.split(":"))) for c in args.cases] if args.cases else CASES
     results = []
     for b, length in cases:
-        sweep_case(b, length, [] if args.quick else TILES, [] if args.quick else SPLITS, results, cold=args.cold)
+        sweep_case(b, length, [] if args.quick else TILES, [] if args.quick else SPLITS, results, cold=args.cold,
+                   page=args.paged)
     if not args.no_host:
         host_times(results)
     if args.json:
