@@ -61,17 +61,23 @@ def _auto(b, length):
     return tile, C.decode_num_splits(b * HKV, length, sms, tile.block_n)
 
 
+def _tile(text):
+    """``"block_n:warps:stages"`` -> a DecodeConfig of 64 packed rows."""
+    block_n, warps, stages = (int(x) for x in text.split(":"))
+    return C.DecodeConfig(block_n, 64, warps, stages)
+
+
 def _label(tile, splits):
     return f"bn{tile.block_n} w{tile.num_warps} s{tile.num_stages} sp{splits}"
 
 
-def sweep_case(b, length, tiles, splits_list, results, cold=False, page=0):
+def sweep_case(b, length, tiles, splits_list, results, cold=False, page=0, cross=False):
     q, k, v, lens, table = _inputs(b, length, page)
     tbps = lambda ms: 2 * b * length * HKV * D * 2 / ms / 1e9
     auto_tile, auto_splits = _auto(b, length)
     configs = [("auto", auto_tile, auto_splits)]
     configs += [("tile", t, 0) for t in tiles]
-    configs += [("splits", auto_tile, s) for s in splits_list]
+    configs += [("splits", t, s) for t in (tiles if cross else [auto_tile]) for s in splits_list]
     scores = []
     for kind, tile, splits in configs:
         fn = lambda: kernel_call(q, k, v, None, None, lens, table, D**-0.5, False, splits, max_seqlen_k=length,
@@ -130,13 +136,18 @@ def main():
     ap.add_argument("--quick", action="store_true", help="only the automatic choice per case, then the host times")
     ap.add_argument("--no-host", action="store_true", help="skip the host-time measurement")
     ap.add_argument("--cold", action="store_true", help="time from HBM, GPU held ahead of the host (docstring)")
+    ap.add_argument("--tiles", nargs="*", default=None, help="block_n:warps:stages tiles (default: the full set)")
+    ap.add_argument("--splits", nargs="*", type=int, default=None, help="split counts (default: the full set)")
+    ap.add_argument("--cross", action="store_true", help="every tile with every split count, not just the auto tile")
     ap.add_argument("--paged", type=int, default=0, metavar="PAGE", help="page pool of this page size (docstring)")
     args = ap.parse_args()
     cases = [tuple(map(int, c.split(":"))) for c in args.cases] if args.cases else CASES
+    tiles = [_tile(t) for t in args.tiles] if args.tiles is not None else TILES
+    splits = args.splits if args.splits is not None else SPLITS
     results = []
     for b, length in cases:
-        sweep_case(b, length, [] if args.quick else TILES, [] if args.quick else SPLITS, results, cold=args.cold,
-                   page=args.paged)
+        sweep_case(b, length, [] if args.quick else tiles, [] if args.quick else splits, results, cold=args.cold,
+                   page=args.paged, cross=args.cross)
     if not args.no_host:
         host_times(results)
     if args.json:

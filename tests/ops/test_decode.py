@@ -339,6 +339,20 @@ def test_decode_tiles():
     assert C.decode_config(128, 128, torch.float32, "cuda", batch_heads=8, max_seqlen_k=4096, num_sms=132).block_n == 32
 
 
+def test_decode_tiles_paged():
+    """Paged d = 128 caches take 5 stages: 128-key blocks at one program per SM at any length, 64-key blocks in fuller
+    grids; other head dims and float32 keep the contiguous tables."""
+    pick = lambda bh, length, d=128, dtype=torch.bfloat16: C.decode_config(  # noqa: E731
+        d, d, dtype, "cuda", batch_heads=bh, max_seqlen_k=length, num_sms=132, paged=True)
+    for bh, length in ((8, 4096), (8, 131072), (128, 4096)):
+        assert pick(bh, length) == C.DecodeConfig(128, 64, 4, 5)
+    for bh, length in ((128, 32768), (512, 32768)):
+        assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 5)
+    assert pick(8, 131072, d=64) == C.decode_config(64, 64, torch.bfloat16, "cuda", batch_heads=8,
+                                                    max_seqlen_k=131072, num_sms=132)
+    assert pick(8, 4096, dtype=torch.float32).block_n == 32
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU only: bf16, long caches, the issue's benchmark shapes.
 

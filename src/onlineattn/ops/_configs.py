@@ -226,22 +226,36 @@ _DECODE_HALF_FILL = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4,
 #   with 128 the split rule's minimum chunk would halve the splits (8: 12.4 us in v6 against 11.0 for 16 of 64).
 #   d = 128 only (others unmeasured).
 _DECODE_HALF_FILL_LONG = {128: DecodeConfig(128, 64, 4, 3)}
+# - Paged caches (session 18, sweep_decode.py --paged 256 at fbc1758, graph-timed, d = 128 bf16, Hq 32, Hkv 8): the
+#   page id feeds each block's K/V addresses, so the pipeliner keeps fewer K/V loads in flight than for a contiguous
+#   cache, and the contiguous tiles left paged B = 1 at 2.3-2.6 TB/s. Five stages restore the depth (the paged kernel
+#   does not stage K/V in shared memory, so they fit where a contiguous 128-key tile with 5 stages needs 264 KiB).
+#   One program per SM: 128 keys, 5 stages: B = 1, L = 4k / 32k / 128k 14.9 / 58.2 / 204.9 us -> 14.1 / 46.3 / 148.0,
+#   B = 16, L = 4k 103.7 -> 74.2 (4, 6 and 8 stages within 1%; 3 and 4 stages time the same). Fuller grids: 64 keys,
+#   5 stages: B = 16, L = 32k 543.2 -> 526.0, L = 128k 2096.8 -> 2030.8, B = 64, L = 32k 1988.6 -> 1943.0.
+#   d = 128 only (others unmeasured keep the contiguous tables).
+_DECODE_PAGED_FILL = {128: DecodeConfig(128, 64, 4, 5)}
+_DECODE_PAGED = {128: DecodeConfig(64, 64, 4, 5)}
 # float32 (ieee dots, exactness before speed) halves the keys per block; unmeasured.
 _DECODE_FP32 = {16: DecodeConfig(32, 64, 4, 2), 32: DecodeConfig(32, 64, 4, 2), 64: DecodeConfig(32, 64, 4, 2),
                 128: DecodeConfig(32, 64, 4, 2), 256: DecodeConfig(16, 32, 4, 1)}
 
 
 def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *, batch_heads: int = 0,
-                  max_seqlen_k: int = 0, num_sms: int = 0, num_splits: int = 0) -> DecodeConfig:
+                  max_seqlen_k: int = 0, num_sms: int = 0, num_splits: int = 0, paged: bool = False) -> DecodeConfig:
     """The tile for a decode launch of ``batch_heads`` programs per split ((sequence, kv head) pairs times row
-    blocks), keys up to ``max_seqlen_k`` (0: unknown, counted as one split) and ``num_splits`` (0: automatic)."""
+    blocks), keys up to ``max_seqlen_k`` (0: unknown, counted as one split), ``num_splits`` (0: automatic) and a
+    paged cache or not."""
     if device_type != "cuda":
         return _DECODE_INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
     if dtype == torch.float32:
         return _DECODE_FP32[padded]
     splits = num_splits or decode_num_splits(batch_heads, max_seqlen_k, num_sms, _DECODE_HALF[padded].block_n)
-    if not 0 < batch_heads * splits <= num_sms:  # more than one program per SM
+    fill = 0 < batch_heads * splits <= num_sms  # at most one program per SM
+    if paged and padded in _DECODE_PAGED:
+        return (_DECODE_PAGED_FILL if fill else _DECODE_PAGED)[padded]
+    if not fill:
         return _DECODE_HALF[padded]
     long = _DECODE_HALF_FILL_LONG.get(padded)
     if long is not None and -(-max_seqlen_k // splits) >= DECODE_MIN_BLOCKS_PER_SPLIT * long.block_n:

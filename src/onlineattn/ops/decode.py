@@ -362,7 +362,7 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
     if config is None:  # programs per split: (sequence, kv head) pairs times row blocks (64 rows in every table)
         programs = b * hkv * cdiv(sq * (hq // hkv), 64)
         config = decode_config(d, dv, q.dtype, q.device.type, batch_heads=programs, max_seqlen_k=longest,
-                               num_sms=sms, num_splits=num_splits)
+                               num_sms=sms, num_splits=num_splits, paged=block_table is not None)
     plan = step.plans.get(config)
     if plan is None:
         plan = step.plans[config] = _make_plan(q, k_cache, v_cache, block_table, config, causal)
