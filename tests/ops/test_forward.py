@@ -127,14 +127,15 @@ def test_fake_impl_matches_real_shapes():
 # GPU only: bf16 at scale, long sequences, memory.
 
 
-def _check_rows(q, k, v, causal, o, lse, rows: slice):
+def _check_rows(q, k, v, causal, o, lse, rows: slice, scale=None):
     """Check query rows ``rows`` against float64 math on the GPU. For bottom-right causal, rows [a, c) equal attention
     of q[a:c] over the first ``c + Sk - Sq`` keys, so long sequences are checked without an N×N float64 matrix."""
     sq, sk = q.shape[1], k.shape[1]
     stop_k = min(sk, rows.stop + sk - sq) if causal else sk
     qs, ks, vs = q[:, rows], k[:, :stop_k], v[:, :stop_k]
-    exact_o, exact_lse = R.torch_math_attention(qs.double(), ks.double(), vs.double(), causal=causal)
-    base_o, base_lse = R.torch_math_attention(qs, ks, vs, causal=causal)
+    exact_o, exact_lse = R.torch_math_attention(qs.double(), ks.double(), vs.double(), causal=causal,
+                                                softmax_scale=scale)
+    base_o, base_lse = R.torch_math_attention(qs, ks, vs, causal=causal, softmax_scale=scale)
     R.assert_within_rule("o", o[:, rows], exact_o, base_o, _name(q.dtype))
     R.assert_within_rule("lse", lse[:, :, rows], exact_lse, base_lse, _name(q.dtype))
 

@@ -17,6 +17,8 @@ class FwdConfig:
     warp_specialize: bool = False  # tl.range(warp_specialize=True) on the unmasked key loop (see the note below)
     heads_per_group: int = 1  # programs run longest-first across groups of this many (batch, kv head) columns
     pipeline: bool = False  # the unmasked key loop overlaps block j's softmax with block j-1's P·V (forward.py)
+    gluon: bool = False  # the warp-specialized Hopper kernel (forward_sm90.py): block_m rows over two warpgroups,
+    #                      num_stages K/V stages filled by a producer warp; num_warps is per consumer warpgroup
 
 
 # Interpreter runs (CPU tensors, TRITON_INTERPRET=1): bigger tiles mean fewer Python-level programs; stages and warps
@@ -56,6 +58,15 @@ _FWD_HALF_CAUSAL = {**_FWD_HALF, 128: FwdConfig(64, 64, 4, 3, tma=True, heads_pe
 PIPELINE_MIN_KEYS = 16384
 _FWD_LONG = {causal: {d: replace(cfg, pipeline=True) for d, cfg in table.items() if d in (128, 256)}
              for causal, table in ((False, _FWD_HALF), (True, _FWD_HALF_CAUSAL))}
+# - The warp-specialized Gluon kernel (forward_sm90.py, session 18; .devrun/gfwd.py's bench on the H200, do_bench
+#   medians, B·N = 32k tokens, 16 heads, bf16), TFLOP/s against the Triton table's tile and sdpa-cudnn in one run:
+#   d = 128 non-causal N = 512 … 16384: 397 / 482 / 542 / 573 / 604 / 616 against 365 / 423 / 453 / 474 / 480 / 510
+#   (cuDNN 502 / 530 / 580 / 599 / 608 / 611); causal 231 / 342 / 440 / 496 / 555 / 601 against 258 / 341 / 402 /
+#   444 / 468 / 498 (cuDNN 342 / 398 / 471 / 527 / 552 / 577). So it takes d = 128 non-causal at every length and
+#   causal from WS_MIN_KEYS_CAUSAL keys (at 1024 the two tie; at 512 the 128-row tiles leave SMs idle on the
+#   diagonal). Other head dims are unmeasured and keep the Triton tiles.
+_FWD_WS = {128: FwdConfig(128, 128, 4, 2, tma=True, gluon=True)}
+WS_MIN_KEYS_CAUSAL = 2048
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 (above)
 
 # fp32 tiles take twice the shared memory and run as ieee fp32 (exactness before speed): smaller tiles.
@@ -77,15 +88,18 @@ def _padded(d: int) -> int:
 
 def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool, device_type: str, *,
                seqlen_q: int | None = None, seqlen_k: int | None = None, variants: bool = False,
-               tma_ok: bool = True) -> FwdConfig:
+               tma_ok: bool = True, ws_ok: bool = False) -> FwdConfig:
     """The tile for a launch. ``seqlen_q``/``seqlen_k``: query rows / keys per sequence (None: unknown); ``variants``:
     any score variant flag is on; ``tma_ok``: K and V can go through tensor descriptors (aligned strides, not packed
-    varlen)."""
+    varlen); ``ws_ok``: the warp-specialized Hopper kernel can run this launch (``forward.ws_ok``)."""
     if device_type != "cuda":
         return _INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
     if dtype == torch.float32:
         return _FWD_FP32[padded]
+    ws = _FWD_WS.get(head_dim) if ws_ok and head_dim == head_dim_v and not variants else None
+    if ws is not None and (not causal or (seqlen_k or 0) >= WS_MIN_KEYS_CAUSAL):
+        return ws
     if padded == 256 and (variants or not tma_ok or (seqlen_q is not None and seqlen_q <= 512)):
         return _FWD_D256_SMALL
     if padded in _FWD_LONG[causal] and not variants and seqlen_k is not None and seqlen_k >= PIPELINE_MIN_KEYS:

@@ -19,6 +19,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._mods import PLAIN, Mods, bias_4d
 from ..torch_impl import FWD_SCHEMA, autograd_formula, fake_forward, plain_eager, save_for_backward
 from . import _launch as launch_cache
+from . import forward_sm90
 from ._common import (
     LOG2E, band_key_range, finalize_state, keep_scale, key_range, row_tile, score_mod, sequence_bounds, softmax_probs,
     tile_order, visible,
@@ -229,6 +230,15 @@ def _fwd_pv(start_n, p, acc, vload, BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexp
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def ws_ok(q, k, v, scale, mods: Mods) -> bool:
+    """Whether the warp-specialized Hopper kernel (forward_sm90.py) can run this call: plain attention on an sm_90
+    device in half precision, equal head dims, a positive scale (its max is taken before scaling), and Q through a
+    tensor descriptor too (K and V are checked by the caller)."""
+    return (mods is PLAIN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1]
+            and scale > 0 and forward_sm90.is_sm90(q.device.index if q.device.index is not None else
+                                                    torch.cuda.current_device()) and _tma_ok(q))
+
+
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -296,7 +306,15 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
     tma_ok = not mods.varlen and _tma_ok(k, v)  # a descriptor's bounds would be the whole pack, not a sequence
     cfg = config or fwd_config(q.shape[-1], dv, q.dtype, causal, q.device.type, variants=mods is not PLAIN,
                                seqlen_q=mods.max_seqlen_q if mods.varlen else q.shape[1],
-                               seqlen_k=mods.max_seqlen_k if mods.varlen else k.shape[1], tma_ok=tma_ok)
+                               seqlen_k=mods.max_seqlen_k if mods.varlen else k.shape[1], tma_ok=tma_ok,
+                               ws_ok=tma_ok and ws_ok(q, k, v, scale, mods))
+    if cfg.gluon:
+        check_int32_offsets(q=q, o=o)  # the kernel's row offsets within a batch entry are int32
+        for batch in batch_slices(q.shape[0], hq):
+            whole = batch == slice(0, q.shape[0])  # no views to make (each costs host time)
+            args = (q, k, v, o, lse) if whole else (q[batch], k[batch], v[batch], o[batch], lse[batch])
+            forward_sm90.launch(*args, scale, causal, cfg)
+        return o, lse
     use_tma = cfg.tma and tma_ok
     if mods.varlen:  # one launch over packed [1, total, H, D] views; each program finds its sequence
         q4, k4, v4, o4, lse3 = q[None], k[None], v[None], o[None], lse[None]
@@ -392,10 +410,10 @@ _MAX_STEPS = 256  # shapes a process sees are few; past this the table starts ov
 
 def _step_key(q, k, v, o, lse, scale, causal, config):
     """What a plain whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars (with
-    their types), and the base alignment of K and V (``_tma_ok`` reads it)."""
+    their types), and the base alignment of Q, K and V (``_tma_ok`` reads it)."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
             lse.stride(), q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype, q.device, scale, type(scale), causal,
-            type(causal), config, k.data_ptr() % 16, v.data_ptr() % 16)
+            type(causal), config, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
 
 
 def _remember(key, step) -> None:

@@ -1,0 +1,249 @@
+"""Forward attention on Hopper (sm_90): a warp-specialized Gluon kernel, FlashAttention-3's structure.
+
+One program owns ``BLOCK_M = 128`` query rows of one head, split between two consumer warpgroups of 64 rows each.
+A one-warp producer partition streams K and V blocks by TMA into a ring of ``num_stages`` shared-memory stages; each
+stage has a "ready" mbarrier (the copy landed) and an "empty" one (both consumers are done reading it). Each consumer
+keeps its own online-softmax state (m, l, acc) and, for block j, issues QKᵀ_j, then P_{j-1}·V_{j-1}, waits for
+QKᵀ_j only and runs block j's softmax while the tensor cores still add the previous block (P stays in registers as
+wgmma's A operand). The two warpgroups also overlap each other's softmax with their matmuls.
+
+Plain attention only: float16/bfloat16, equal head dims for K and V (64 or 128), a positive scale, no score variants,
+strides a TMA descriptor accepts. ``forward.py`` routes a launch here when ``fwd_config`` picks a ``gluon`` tile
+(``ops/_configs.py`` says where it was measured faster); everything else runs the Triton kernel. Gluon has no
+interpreter, so CI compiles this kernel for sm_90 (tests/ops/test_forward_sm90.py) and the GPU suite runs it.
+"""
+
+# No ``from __future__ import annotations``: the aggregate below reads its field annotations as types.
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import _aggregate as aggregate
+
+from ._common import LOG2E
+from ._launch import cdiv
+
+ROWS_PER_WARPGROUP = 64
+
+
+@aggregate
+class _Tile:
+    """The compile-time shape a partition needs. ``warp_specialize`` flattens partition arguments into IR values, so
+    constexprs travel inside an aggregate's type."""
+
+    WG: gl.constexpr  # which consumer warpgroup (0 or 1); unused by the producer
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    STAGES: gl.constexpr
+    CAUSAL: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL):
+        self.WG = gl.constexpr(WG)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.STAGES = gl.constexpr(STAGES)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+
+
+@gluon.jit
+def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                              seqlen_q, seqlen_k, heads_q, group, qk_scale,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+    pid_m = gl.program_id(0)
+    if CAUSAL:  # the bottom row tiles have the most key blocks: launch them first so the grid's tail is short
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    pid_bh = gl.program_id(1)
+    off_b = pid_bh // heads_q
+    off_h = pid_bh % heads_q
+    m0 = pid_m * BLOCK_M
+    hi = seqlen_k
+    if CAUSAL:  # bottom-right diagonal: row i sees keys j <= i + Sk - Sq
+        hi = gl.minimum(seqlen_k, m0 + BLOCK_M + seqlen_k - seqlen_q)
+    n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 0)  # 0 when every row of the tile sits above the diagonal
+
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+
+    smem = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty)
+    consumer = smem + (O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, off_b, off_h, m0, n_blocks,
+                       seqlen_q, seqlen_k, qk_scale)
+    gl.warp_specialize([
+        (_consumer, consumer + (_Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL),)),
+        (_consumer, consumer + (_Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL),)),
+        (_producer, (q_desc, k_desc, v_desc) + smem + (off_b, off_h, off_h // group, m0, n_blocks,
+                                                       _Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL))),
+    ], [4, 1], [240, 24])
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+              off_b, off_h, off_hkv, m0, n_blocks, tile):
+    """One warp: Q once, then K_j and V_j into stage j % STAGES once both consumers have released it."""
+    BLOCK_N: gl.constexpr = tile.BLOCK_N
+    STAGES: gl.constexpr = tile.STAGES
+    if n_blocks > 0:  # with no key block the consumers wait on nothing: no copy may be left in flight
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], q_bar, q_smem)
+    for j in range(n_blocks):
+        stage = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_empty.index(stage), phase ^ 1)  # a fresh barrier passes the wait for parity 1
+        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hkv, 0], k_ready.index(stage),
+                                        k_smem.index(stage))
+        mbarrier.wait(v_empty.index(stage), phase ^ 1)
+        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hkv, 0], v_ready.index(stage),
+                                        v_smem.index(stage))
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+              O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, off_b, off_h, m0, n_blocks,
+              seqlen_q, seqlen_k, qk_scale, tile):
+    """One warpgroup: 64 rows' online softmax over every key block, then their output and log-sum-exp."""
+    D: gl.constexpr = tile.HEAD_DIM
+    BLOCK_N: gl.constexpr = tile.BLOCK_N
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    row0 = m0 + tile.WG * 64
+    m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([64, D], gl.float32, layout=o_layout)
+    if n_blocks > 0:
+        m_i, l_i, acc = _attend(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m_i, l_i, acc,
+                                row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout, o_layout)
+
+    # o = acc / l and lse = (m + log2 l) · ln 2; a row that saw no key gets o = 0 and lse = -inf.
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    o_rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    o_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    p_o = O + off_b.to(gl.int64) * stride_ob + off_h * stride_oh + o_rows.to(gl.int64)[:, None] * stride_os
+    gl.store(p_o + o_cols[None, :], o.to(O.dtype.element_ty), mask=(o_rows < seqlen_q)[:, None])
+    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
+
+
+@gluon.jit
+def _attend(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m_i, l_i, acc,
+            row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """The key loop of one warpgroup (``n_blocks >= 1``): returns its (m, l, acc)."""
+    D: gl.constexpr = tile.HEAD_DIM
+    BLOCK_N: gl.constexpr = tile.BLOCK_N
+    STAGES: gl.constexpr = tile.STAGES
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    diag = seqlen_k - seqlen_q
+    mask_from = seqlen_k  # blocks reaching past this key need a mask
+    if tile.CAUSAL:
+        mask_from = gl.minimum(seqlen_k, row0 + diag + 1)
+    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(q_bar, 0)
+    q = q_smem.reshape([tile.BLOCK_M, D]).slice(tile.WG * 64, 64)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, use_acc=False,
+                      is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, rows, seqlen_k, diag, mask_from, qk_scale, tile.CAUSAL, BLOCK_N,
+                                  s_layout)
+    for j in range(1, n_blocks):
+        stage = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))  # QKᵀ_j, issued first, is done; P_{j-1}·V_{j-1} may still run
+        mbarrier.arrive(k_empty.index(stage), count=1)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, j * BLOCK_N, rows, seqlen_k, diag, mask_from, qk_scale,
+                                      tile.CAUSAL, BLOCK_N, s_layout)
+        # p among the deps keeps this wait after the softmax in the generated code.
+        acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    last = (n_blocks - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+    acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
+    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+    mbarrier.arrive(v_empty.index(last), count=1)
+    return m_i, l_i, acc
+
+
+@gluon.jit
+def _softmax(s, m_i, l_i, start_n, rows, seqlen_k, diag, mask_from, qk_scale, CAUSAL: gl.constexpr,
+             BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """One block's raw scores -> (p, m, l, alpha) in the base-2 frame (``qk_scale`` = scale · log2 e > 0). Only
+    blocks reaching past ``mask_from`` are masked: keys past the end and, under causal, past the diagonal."""
+    if start_n + BLOCK_N > mask_from:
+        cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        keep = cols[None, :] < seqlen_k
+        if CAUSAL:
+            keep = keep & (cols[None, :] <= rows[:, None] + diag)
+        s = gl.where(keep, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf - 0) = 0, no NaN
+    p = gl.exp2(s * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_i, alpha
+
+
+@functools.cache
+def _shared_layout(block: tuple, dtype: torch.dtype):
+    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    return gl.NVMMASharedLayout.get_default_for(list(block), element)
+
+
+@functools.cache
+def is_sm90(device_index: int) -> bool:
+    """Whether the device runs this kernel (Hopper's wgmma and TMA as sm_90a compiles them)."""
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def launch(q, k, v, o, lse, scale: float, causal: bool, cfg) -> None:
+    """``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]`` (checked by the caller: what ``forward.py`` routes here),
+    into ``o [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (last dims contiguous)."""
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    q_block, kv_block = (1, cfg.block_m, 1, d), (1, cfg.block_n, 1, d)
+    q_desc = TensorDescriptor.from_tensor(q, list(q_block), _shared_layout(q_block, q.dtype))
+    k_desc = TensorDescriptor.from_tensor(k, list(kv_block), _shared_layout(kv_block, k.dtype))
+    v_desc = TensorDescriptor.from_tensor(v, list(kv_block), _shared_layout(kv_block, v.dtype))
+    grid = (cdiv(sq, cfg.block_m), b * hq)
+    attention_fwd_sm90_kernel[grid](
+        q_desc, k_desc, v_desc, o, lse, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        sq, sk, hq, hq // hkv, scale * LOG2E,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=causal,
+        num_warps=4,
+    )

@@ -1,0 +1,121 @@
+"""The warp-specialized Hopper forward (ops/forward_sm90.py): where the table routes it, that it compiles for sm_90
+on any machine (Gluon has no interpreter), and on an sm_90 GPU that it meets the §3 rule on odd shapes, masked rows,
+tiles with no visible key, GQA, strided inputs and both half dtypes."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tests.ops.test_forward import _check, _check_rows, _inputs, _run_poisoned
+
+from onlineattn._mods import PLAIN
+from onlineattn.ops import forward as F
+from onlineattn.ops._configs import _FWD_WS, WS_MIN_KEYS_CAUSAL, fwd_config
+
+ROOT = Path(__file__).resolve().parents[2]
+WS = _FWD_WS[128]
+sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                          reason="needs an sm_90 GPU")
+gpu = pytest.mark.gpu
+
+
+def test_table_routes_plain_half_d128():
+    """d = 128 half precision: every non-causal launch, causal from WS_MIN_KEYS_CAUSAL keys; never without ws_ok,
+    with variants, for other head dims, unequal head dims or float32."""
+    pick = lambda d=128, dv=128, dtype=torch.bfloat16, causal=False, sk=4096, **kw: fwd_config(  # noqa: E731
+        d, dv, dtype, causal, "cuda", seqlen_q=sk, seqlen_k=sk, **{"ws_ok": True, **kw})
+    assert pick() == WS and pick(sk=1) == WS and pick(dtype=torch.float16) == WS
+    assert pick(causal=True, sk=WS_MIN_KEYS_CAUSAL) == WS
+    assert not pick(causal=True, sk=WS_MIN_KEYS_CAUSAL - 1).gluon and not pick(causal=True, sk=None).gluon
+    assert not pick(ws_ok=False).gluon and not pick(variants=True).gluon
+    for other in (pick(d=64, dv=64), pick(d=256, dv=256), pick(dv=64), pick(d=96, dv=96)):
+        assert not other.gluon
+    assert not fwd_config(128, 128, torch.float32, False, "cuda", seqlen_k=4096, ws_ok=True).gluon
+
+
+def test_ws_ok_needs_a_plain_cuda_call():
+    q, k, v = (torch.randn(1, 8, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    assert not F.ws_ok(q, k, v, 0.1, PLAIN)  # CPU tensors
+
+
+_COMPILE = """
+import sys, torch, triton
+sys.path.insert(0, {bench!r})
+from probe_launch import Sm90NoLaunch
+triton.runtime.driver.set_active(Sm90NoLaunch())
+from onlineattn.ops import forward_sm90
+from onlineattn.ops._configs import _FWD_WS
+for causal, dtype in ((False, torch.bfloat16), (True, torch.float16)):
+    q = torch.randn(2, 300, 8, 128, dtype=dtype)
+    k = torch.randn(2, 300, 2, 128, dtype=dtype)
+    o, lse = torch.empty_like(q), torch.empty(2, 8, 300)
+    compiled = []
+    run = forward_sm90.attention_fwd_sm90_kernel.run
+    forward_sm90.attention_fwd_sm90_kernel.run = lambda *a, **kw: compiled.append(run(*a, **{{**kw, "warmup": True}}))
+    forward_sm90.launch(q, k, k, o, lse, 0.1, causal, _FWD_WS[128])
+    forward_sm90.attention_fwd_sm90_kernel.run = run
+    ptx = compiled[0].asm["ptx"]
+    print(causal, ptx.count("wgmma.mma_async"), ptx.count("setmaxnreg"), compiled[0].metadata.shared)
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    """The whole pipeline (Gluon -> PTX -> cubin) for sm_90 on this machine: two consumer warpgroups of 32 wgmma
+    each (QKᵀ of the first block, QKᵀ and P·V in the loop, the last P·V: 8 instructions of k = 16 each), the
+    partitions' register split, and Q plus two K/V stages in shared memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.split("\n")
+    for line, causal in zip(lines, ("False", "True")):
+        flag, wgmma, setmaxnreg, shared = line.split()
+        assert flag == causal and int(wgmma) == 64 and int(setmaxnreg) >= 2
+        assert 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 <= int(shared) <= 227 * 1024
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# sm_90 GPU: the kernel itself, launched through forward() with its tile.
+
+SHAPES = [  # b, sq, sk, hq, hkv
+    (2, 1, 1, 2, 2),
+    (1, 65, 100, 8, 1),  # MQA 8:1
+    (2, 129, 17, 4, 4),  # Sq > Sk: under causal the first 112 rows see no key
+    (2, 300, 40, 4, 2),  # causal: the first two 128-row tiles see no key at all (no block launched)
+    (1, 1000, 1000, 4, 4),  # 8 key blocks: the two stages wrap around
+    (2, 513, 700, 6, 2),  # Sk > Sq, group of 3
+]
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_oracle(shape, causal, dtype):
+    b, sq, sk, hq, hkv = shape
+    q, k, v = _inputs(b, sq, sk, hq, hkv, 128, 128, dtype, seed=sum(shape) + causal, device="cuda")
+    o, lse = _run_poisoned(q, k, v, causal, config=WS)
+    _check(q, k, v, causal, o, lse)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_and_strided_bf16(causal):
+    """4099 keys (33 blocks, the last one partial) from [B, H, S, D] storage viewed as [B, S, H, D], an explicit
+    scale, and the default table (which routes here)."""
+    b, n, hq, hkv = 1, 4099, 6, 2
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
+               for x in _inputs(b, n, n, hq, hkv, 128, 128, torch.bfloat16, seed=n, device="cuda"))
+    assert F.ws_ok(q, k, v, 0.07, PLAIN)
+    cfg = fwd_config(128, 128, torch.bfloat16, causal, "cuda", seqlen_q=n, seqlen_k=n, ws_ok=True)
+    assert cfg == WS
+    o, lse = _run_poisoned(q, k, v, causal, scale=0.07)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "unwritten elements"
+    for rows in (slice(0, 256), slice(2000, 2256), slice(n - 256, n)):
+        _check_rows(q, k, v, causal, o, lse, rows, scale=0.07)
