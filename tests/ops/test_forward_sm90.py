@@ -13,27 +13,29 @@ from tests.ops.test_forward import _check, _check_rows, _inputs, _run_poisoned
 
 from onlineattn._mods import PLAIN
 from onlineattn.ops import forward as F
-from onlineattn.ops._configs import _FWD_WS, WS_MIN_KEYS_CAUSAL, fwd_config
+from onlineattn.ops._configs import _FWD_WS, WS_MIN_KEYS, fwd_config
 
 ROOT = Path(__file__).resolve().parents[2]
-WS = _FWD_WS[128]
 sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                           reason="needs an sm_90 GPU")
 gpu = pytest.mark.gpu
 
 
-def test_table_routes_plain_half_d128():
-    """d = 128 half precision: every non-causal launch, causal from WS_MIN_KEYS_CAUSAL keys; never without ws_ok,
-    with variants, for other head dims, unequal head dims or float32."""
-    pick = lambda d=128, dv=128, dtype=torch.bfloat16, causal=False, sk=4096, **kw: fwd_config(  # noqa: E731
-        d, dv, dtype, causal, "cuda", seqlen_q=sk, seqlen_k=sk, **{"ws_ok": True, **kw})
-    assert pick() == WS and pick(sk=1) == WS and pick(dtype=torch.float16) == WS
-    assert pick(causal=True, sk=WS_MIN_KEYS_CAUSAL) == WS
-    assert not pick(causal=True, sk=WS_MIN_KEYS_CAUSAL - 1).gluon and not pick(causal=True, sk=None).gluon
-    assert not pick(ws_ok=False).gluon and not pick(variants=True).gluon
-    for other in (pick(d=64, dv=64), pick(d=256, dv=256), pick(dv=64), pick(d=96, dv=96)):
+def test_table_routes_plain_half_d64_d128():
+    """d = 64 and 128 in half precision from WS_MIN_KEYS keys (per mask); never without ws_ok, with variants, for
+    other head dims, unequal head dims, float32 or an unknown length."""
+    pick = lambda d=128, dv=None, dtype=torch.bfloat16, causal=False, sk=4096, **kw: fwd_config(  # noqa: E731
+        d, dv or d, dtype, causal, "cuda", seqlen_q=sk, seqlen_k=sk, **{"ws_ok": True, **kw})
+    for d in (64, 128):
+        for causal in (False, True):
+            least = WS_MIN_KEYS[d][causal]
+            assert pick(d, causal=causal, sk=least) == _FWD_WS[d]
+            assert pick(d, causal=causal, sk=least, dtype=torch.float16) == _FWD_WS[d]
+            assert not pick(d, causal=causal, sk=least - 1).gluon and not pick(d, causal=causal, sk=None).gluon
+    assert not pick(sk=16384, ws_ok=False).gluon and not pick(sk=16384, variants=True).gluon
+    for other in (pick(d=256, sk=16384), pick(dv=64, sk=16384), pick(d=96, sk=16384), pick(d=32, sk=16384)):
         assert not other.gluon
-    assert not fwd_config(128, 128, torch.float32, False, "cuda", seqlen_k=4096, ws_ok=True).gluon
+    assert not fwd_config(128, 128, torch.float32, False, "cuda", seqlen_k=16384, ws_ok=True).gluon
 
 
 def test_ws_ok_needs_a_plain_cuda_call():
@@ -58,14 +60,15 @@ for causal, dtype in ((False, torch.bfloat16), (True, torch.float16)):
     forward_sm90.launch(q, k, k, o, lse, 0.1, causal, _FWD_WS[128])
     forward_sm90.attention_fwd_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
-    print(causal, ptx.count("wgmma.mma_async"), ptx.count("setmaxnreg"), compiled[0].metadata.shared)
+    print(causal, ptx.count("wgmma.mma_async"), ptx.count("setmaxnreg"), compiled[0].metadata.shared,
+          _FWD_WS[128].num_stages)
 """
 
 
 def test_kernel_compiles_for_sm90():
     """The whole pipeline (Gluon -> PTX -> cubin) for sm_90 on this machine: two consumer warpgroups of 32 wgmma
     each (QKᵀ of the first block, QKᵀ and P·V in the loop, the last P·V: 8 instructions of k = 16 each), the
-    partitions' register split, and Q plus two K/V stages in shared memory."""
+    partitions' register split, and Q plus the table's K/V stages within shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
@@ -73,9 +76,9 @@ def test_kernel_compiles_for_sm90():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split("\n")
     for line, causal in zip(lines, ("False", "True")):
-        flag, wgmma, setmaxnreg, shared = line.split()
+        flag, wgmma, setmaxnreg, shared, stages = line.split()
         assert flag == causal and int(wgmma) == 64 and int(setmaxnreg) >= 2
-        assert 128 * 128 * 2 + 2 * 2 * 128 * 128 * 2 <= int(shared) <= 227 * 1024
+        assert 128 * 128 * 2 + int(stages) * 2 * 128 * 128 * 2 <= int(shared) <= 227 * 1024
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -93,13 +96,14 @@ SHAPES = [  # b, sq, sk, hq, hkv
 
 @gpu
 @sm90
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_oracle(shape, causal, dtype):
+def test_matches_oracle(shape, causal, dtype, d):
     b, sq, sk, hq, hkv = shape
-    q, k, v = _inputs(b, sq, sk, hq, hkv, 128, 128, dtype, seed=sum(shape) + causal, device="cuda")
-    o, lse = _run_poisoned(q, k, v, causal, config=WS)
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, dtype, seed=sum(shape) + causal + d, device="cuda")
+    o, lse = _run_poisoned(q, k, v, causal, config=_FWD_WS[d])
     _check(q, k, v, causal, o, lse)
 
 
@@ -114,7 +118,7 @@ def test_long_and_strided_bf16(causal):
                for x in _inputs(b, n, n, hq, hkv, 128, 128, torch.bfloat16, seed=n, device="cuda"))
     assert F.ws_ok(q, k, v, 0.07, PLAIN)
     cfg = fwd_config(128, 128, torch.bfloat16, causal, "cuda", seqlen_q=n, seqlen_k=n, ws_ok=True)
-    assert cfg == WS
+    assert cfg == _FWD_WS[128]
     o, lse = _run_poisoned(q, k, v, causal, scale=0.07)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "unwritten elements"
     for rows in (slice(0, 256), slice(2000, 2256), slice(n - 256, n)):

@@ -58,15 +58,21 @@ _FWD_HALF_CAUSAL = {**_FWD_HALF, 128: FwdConfig(64, 64, 4, 3, tma=True, heads_pe
 PIPELINE_MIN_KEYS = 16384
 _FWD_LONG = {causal: {d: replace(cfg, pipeline=True) for d, cfg in table.items() if d in (128, 256)}
              for causal, table in ((False, _FWD_HALF), (True, _FWD_HALF_CAUSAL))}
-# - The warp-specialized Gluon kernel (forward_sm90.py, session 18; .devrun/gfwd.py's bench on the H200, do_bench
-#   medians, B·N = 32k tokens, 16 heads, bf16), TFLOP/s against the Triton table's tile and sdpa-cudnn in one run:
-#   d = 128 non-causal N = 512 … 16384: 397 / 482 / 542 / 573 / 604 / 616 against 365 / 423 / 453 / 474 / 480 / 510
-#   (cuDNN 502 / 530 / 580 / 599 / 608 / 611); causal 231 / 342 / 440 / 496 / 555 / 601 against 258 / 341 / 402 /
-#   444 / 468 / 498 (cuDNN 342 / 398 / 471 / 527 / 552 / 577). So it takes d = 128 non-causal at every length and
-#   causal from WS_MIN_KEYS_CAUSAL keys (at 1024 the two tie; at 512 the 128-row tiles leave SMs idle on the
-#   diagonal). Other head dims are unmeasured and keep the Triton tiles.
-_FWD_WS = {128: FwdConfig(128, 128, 4, 2, tma=True, gluon=True)}
-WS_MIN_KEYS_CAUSAL = 2048
+# - The warp-specialized Gluon kernel (forward_sm90.py, session 18), TFLOP/s, bf16, 16 heads, B·N = 32k tokens:
+#   - First run (.devrun/gfwd.py, two stages, against the Triton table's tile and sdpa-cudnn in one run), d = 128
+#     non-causal N = 512 … 16384: 397 / 482 / 542 / 573 / 604 / 616 against 365 / 423 / 453 / 474 / 480 / 510
+#     (cuDNN 502 / 530 / 580 / 599 / 608 / 611); causal 231 / 342 / 440 / 496 / 555 / 601 against 258 / 341 /
+#     402 / 444 / 468 / 498 (cuDNN 342 / 398 / 471 / 527 / 552 / 577).
+#   - Bench rows of 17eb37c (the bench's grid: B = 32 at N = 512): non-causal N = 512 read 317 against 367 for the
+#     Triton tile at 8ebf3cf (the Gluon launch has no launch cache: its host path is the suspect, unmeasured).
+#   - Tiles (.devrun/gsweep.py, N = 1024 / 4096 / 16384): three stages beat two at every d = 128 point (non-causal
+#     492 / 577 / 618 against 477 / 574 / 617, causal 345 / 510 / 607 against 342 / 508 / 599); 64-key blocks lost
+#     everywhere (444-541 non-causal). d = 64 with 128-key blocks and three stages: 348 / 435 / 460 non-causal and
+#     232 / 374 / 449 causal against the Triton tile's 381 / 399 / 410 and 292 / 372 / 400.
+#   So each head dim takes it from a key count per mask (WS_MIN_KEYS: non-causal, causal) where it led; below, the
+#   128-row tiles leave SMs idle (few row tiles per head) and the Triton tiles keep the launch.
+_FWD_WS = {64: FwdConfig(128, 128, 4, 3, tma=True, gluon=True), 128: FwdConfig(128, 128, 4, 3, tma=True, gluon=True)}
+WS_MIN_KEYS = {64: (4096, 16384), 128: (1024, 2048)}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 (above)
 
 # fp32 tiles take twice the shared memory and run as ieee fp32 (exactness before speed): smaller tiles.
@@ -98,7 +104,7 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
     if dtype == torch.float32:
         return _FWD_FP32[padded]
     ws = _FWD_WS.get(head_dim) if ws_ok and head_dim == head_dim_v and not variants else None
-    if ws is not None and (not causal or (seqlen_k or 0) >= WS_MIN_KEYS_CAUSAL):
+    if ws is not None and (seqlen_k or 0) >= WS_MIN_KEYS[head_dim][causal]:
         return ws
     if padded == 256 and (variants or not tma_ok or (seqlen_q is not None and seqlen_q <= 512)):
         return _FWD_D256_SMALL
