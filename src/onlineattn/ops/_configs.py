@@ -123,6 +123,8 @@ class BwdTile:
     num_stages: int
     tma: bool = False  # the streamed operands (Q, dO for dK/dV; K, V for dQ) through tensor descriptors
     split_scores: bool = False  # dK/dV only: score tiles split across warpgroups (backward.py, SPLIT_SCORES)
+    gluon: bool = False  # dK/dV only: the warp-specialized Hopper kernel (backward_sm90.py): block_n = 128 keys over
+    #                      two 4-warp warpgroups, block_m = 64-row tiles of one head, num_stages Q/dO stages
 
 
 @dataclass(frozen=True)
@@ -170,14 +172,22 @@ _BWD_FP32_SMALL = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1))
 _BWD_FP32_D256 = BwdConfig(BwdTile(16, 16, 4, 1), BwdTile(16, 16, 4, 1))
 
 
+# - ws-bwd (experiment, not measured): the warp-specialized Gluon dK/dV kernel beside the table's dQ kernel, for
+#   plain half-precision d = 64 / 128 launches on sm_90 (``ws_ok``). Two Q/dO stages of 64 rows.
+_BWD_WS_DKDV = {64: BwdTile(64, 128, 4, 2, tma=True, gluon=True), 128: BwdTile(64, 128, 4, 2, tma=True, gluon=True)}
+
+
 def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *,
-               causal: bool = False) -> BwdConfig:
+               causal: bool = False, ws_ok: bool = False) -> BwdConfig:
+    """The tiles of a backward launch; ``ws_ok``: the Hopper dK/dV kernel can run it (``backward.ws_ok``)."""
     if device_type != "cuda":
         return _BWD_INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
     if dtype == torch.float32:
         return _BWD_FP32_D256 if padded > 128 else _BWD_FP32_SMALL
-    return (_BWD_CUDA_CAUSAL if causal else _BWD_CUDA)[padded]
+    cfg = (_BWD_CUDA_CAUSAL if causal else _BWD_CUDA)[padded]
+    ws = _BWD_WS_DKDV.get(head_dim) if ws_ok and head_dim == head_dim_v else None
+    return cfg if ws is None else replace(cfg, dkdv=ws)
 
 
 @dataclass(frozen=True)

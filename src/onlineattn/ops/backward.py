@@ -35,6 +35,12 @@ from .._mods import PLAIN, Mods
 from ..torch_impl import BWD_SCHEMA, fake_backward, op_outputs, refuse_double_backward
 from . import bias_grad as bias_grad_kernel
 from . import _launch as launch_cache
+from .forward import ws_ok as _forward_ws_ok
+
+try:  # Gluon's Hopper API as triton 3.6 has it; without it the Triton dK/dV kernel runs
+    from . import backward_sm90
+except ImportError:  # pragma: no cover - other Triton versions
+    backward_sm90 = None
 from ._common import (
     LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, row_tile, sequence_bounds,
 )
@@ -433,7 +439,11 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
         delta = (do.float() * o.float()).sum(-1).transpose(1, 2) - (0 if dlse is None else dlse)
     else:
         delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-        cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, causal=causal)
+        cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, causal=causal,
+                                   ws_ok=ws_ok(do, q, k, v, mods) and not mods.varlen)
+        if cfg.dkdv.gluon and not ws_ok(do, q, k, v, mods):
+            raise ValueError("config: a gluon dK/dV tile runs only plain half-precision calls on sm_90 with equal "
+                             "head dims and TMA-aligned q, k, v and do")
         if cfg.dq.split_scores:  # measured slower at every tile tried (NOTES v8), so the dQ kernel has no branch
             raise ValueError("config: split_scores applies to the dK/dV tile only, not to config.dq")
         group = hq // hkv
@@ -477,6 +487,12 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     if mods.varlen:
         dq, dk, dv = dq[0], dk[0], dv[0]
     return dq, dk, dv, dbias, dsinks
+
+
+def ws_ok(do, q, k, v, mods: Mods) -> bool:
+    """Whether the Hopper dK/dV kernel (backward_sm90.py) can run this call: what the forward's needs (forward.ws_ok,
+    with a unit scale: the backward takes no max) and dO through a descriptor too."""
+    return backward_sm90 is not None and _forward_ws_ok(q, k, v, 1.0, mods) and _tma_ok(k, v, do)
 
 
 def _descriptor(x, box_rows: int, box_heads: int, box_d: int):
@@ -528,12 +544,16 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
         q_arg = _descriptor(q, t.block_m // group, group, block_d)
         do_arg = _descriptor(do, t.block_m // group, group, block_dv)
     grid_dkdv = (cdiv(sk, t.block_n), b * hkv)
-    dkdv = start(
-        keep, attention_bwd_dkdv_kernel, grid_dkdv, 8,
-        q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
-        **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, SPLIT_SCORES=t.split_scores,
-        num_warps=t.num_warps, num_stages=t.num_stages,
-    )
+    if t.gluon:  # not kept: a repeat takes the full path (the Gluon launch has no Relaunch)
+        backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t)
+        dkdv = None
+    else:
+        dkdv = start(
+            keep, attention_bwd_dkdv_kernel, grid_dkdv, 8,
+            q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
+            **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, SPLIT_SCORES=t.split_scores,
+            num_warps=t.num_warps, num_stages=t.num_stages,
+        )
     t = cfg.dq
     k_arg, v_arg = k, v
     if tma_keys:

@@ -1,0 +1,207 @@
+"""dK and dV on Hopper (sm_90): a warp-specialized Gluon kernel, the dK/dV half of FlashAttention-3's backward.
+
+One program owns ``BLOCK_N = 128`` keys of one (batch, kv head), split between two consumer warpgroups of 64 keys
+each; their K and V rows come in once by TMA. A one-warp producer partition streams the tiles of 64 query rows of
+every head in the GQA group (Q and dO, by TMA) through a ring of ``num_stages`` stages with "ready" and "empty"
+mbarriers, so both warpgroups read each tile once from shared memory. Per tile a warpgroup computes, in registers,
+
+    Sᵀ = K Qᵀ and dPᵀ = V dOᵀ          (both issued, then one wait)
+    Pᵀ = 2^(Sᵀ · scale · log2 e − lse₂)  (lse₂ = lse · log2 e, +inf for rows that saw no key, so P = 0)
+    dSᵀ = Pᵀ ∘ (dPᵀ − delta)
+    dV += Pᵀ dO and dK += dSᵀ Q         (Pᵀ and dSᵀ as wgmma's register A operand)
+
+and the group's sum stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton kernel, whose
+delta pass and dQ kernel this one runs beside. Plain attention only: float16/bfloat16, equal head dims (64 or 128),
+TMA-able strides, ``backward.py`` routes a launch here when ``bwd_config`` picks a ``gluon`` dK/dV tile.
+"""
+
+# No ``from __future__ import annotations``: the aggregate below reads its field annotations as types.
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.language.core import _aggregate as aggregate
+
+from ._common import LOG2E
+from ._launch import cdiv
+from .forward_sm90 import _shared_layout
+
+KEYS_PER_WARPGROUP = 64
+
+
+@aggregate
+class _Tile:
+    """The compile-time shape a partition needs (``warp_specialize`` flattens partition arguments into IR values)."""
+
+    WG: gl.constexpr
+    BLOCK_M: gl.constexpr
+    BLOCK_N: gl.constexpr
+    HEAD_DIM: gl.constexpr
+    STAGES: gl.constexpr
+    CAUSAL: gl.constexpr
+    GROUP: gl.constexpr
+
+    @gluon.constexpr_function
+    def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP):
+        self.WG = gl.constexpr(WG)
+        self.BLOCK_M = gl.constexpr(BLOCK_M)
+        self.BLOCK_N = gl.constexpr(BLOCK_N)
+        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
+        self.STAGES = gl.constexpr(STAGES)
+        self.CAUSAL = gl.constexpr(CAUSAL)
+        self.GROUP = gl.constexpr(GROUP)
+
+
+@gluon.jit
+def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
+                                   stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
+                                   stride_dvb, stride_dvs, stride_dvh, seqlen_q, seqlen_k, heads_kv, qk_scale,
+                                   sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr):
+    pid_n = gl.program_id(0)
+    pid_bh = gl.program_id(1)
+    off_b = pid_bh // heads_kv
+    off_hkv = pid_bh % heads_kv
+    n0 = pid_n * BLOCK_N
+    diag = seqlen_k - seqlen_q  # query i sees key j when j <= i + diag
+    lo = 0
+    if CAUSAL:  # rows before the first key's diagonal see none of this block
+        lo = gl.maximum(n0 - diag, 0) // BLOCK_M * BLOCK_M
+    row_tiles = gl.maximum(gl.cdiv(seqlen_q - lo, BLOCK_M), 0)  # per head of the group
+
+    dtype: gl.constexpr = q_desc.dtype
+    k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    # Partition arguments must be IR values: an int argument equal to 1 arrives as a constexpr, so scalars that can
+    # be 1 are made tensors.
+    seqlen_q = gl.to_tensor(seqlen_q)
+    seqlen_k = gl.to_tensor(seqlen_k)
+    stride_lh = gl.to_tensor(stride_lh)
+    smem = (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty)
+    where = (off_b, off_hkv, n0, lo, row_tiles)
+    consumer = smem + where + (LSE, DELTA, DK, DV, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
+                               stride_dvb, stride_dvs, stride_dvh, seqlen_q, seqlen_k, qk_scale, sm_scale)
+    gl.warp_specialize([
+        (_consumer, consumer + (_Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
+        (_consumer, consumer + (_Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
+        (_producer, (q_desc, k_desc, v_desc, do_desc) + smem + where
+         + (_Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
+    ], [4, 1], [240, 24])
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
+              off_b, off_hkv, n0, lo, row_tiles, tile):
+    """One warp: this block's K and V once, then Q and dO of tile ``t`` (head ``t // row_tiles`` of the group, rows
+    ``lo + (t % row_tiles) · BLOCK_M``) into stage ``t % STAGES`` once both consumers have released it."""
+    STAGES: gl.constexpr = tile.STAGES
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [off_b, n0, off_hkv, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [off_b, n0, off_hkv, 0], kv_bar, v_smem)
+    for t in range(row_tiles * tile.GROUP):
+        stage = t % STAGES
+        head = off_hkv * tile.GROUP + t // row_tiles
+        m = lo + (t % row_tiles) * tile.BLOCK_M
+        mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes the wait for parity 1
+        mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, m, head, 0], ready.index(stage), q_smem.index(stage))
+        tma.async_copy_global_to_shared(do_desc, [off_b, m, head, 0], ready.index(stage), do_smem.index(stage))
+
+
+@gluon.jit
+def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, off_b, off_hkv, n0, lo, row_tiles,
+              LSE, DELTA, DK, DV, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
+              stride_dvb, stride_dvs, stride_dvh, seqlen_q, seqlen_k, qk_scale, sm_scale, tile):
+    """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale)."""
+    D: gl.constexpr = tile.HEAD_DIM
+    BLOCK_M: gl.constexpr = tile.BLOCK_M
+    STAGES: gl.constexpr = tile.STAGES
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, D, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    dtype: gl.constexpr = q_smem.dtype
+    key0 = n0 + tile.WG * 64
+    keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
+    diag = seqlen_k - seqlen_q
+    full_from = key0 + 63 - diag  # row tiles starting here see every key of this warpgroup
+    zero_st = gl.zeros([64, BLOCK_M], gl.float32, layout=st_layout)
+    dk = gl.zeros([64, D], gl.float32, layout=kv_layout)
+    dv = gl.zeros([64, D], gl.float32, layout=kv_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    k = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
+    v = v_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
+    for t in range(row_tiles * tile.GROUP):
+        stage = t % STAGES
+        head = off_hkv * tile.GROUP + t // row_tiles
+        m = lo + (t % row_tiles) * BLOCK_M
+        rows = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        stats = off_b.to(gl.int64) * stride_lb + head * stride_lh + rows
+        lse = gl.load(LSE + stats, mask=rows < seqlen_q, other=float("inf"))
+        lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # a row with no key: P = 0
+        delta = gl.load(DELTA + stats, mask=rows < seqlen_q, other=0.0)
+
+        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+        q = q_smem.index(stage).reshape([BLOCK_M, D])
+        do = do_smem.index(stage).reshape([BLOCK_M, D])
+        st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+        pt = gl.exp2(st * qk_scale - lse[None, :])
+        if tile.CAUSAL:
+            if m < full_from:
+                pt = gl.where(keys[:, None] <= rows[None, :] + diag, pt, 0.0)
+        dst = pt * (dpt - delta[None, :])
+        pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+        dst_op = gl.convert_layout(dst.to(dtype), a_layout)
+        dv = warpgroup_mma(pt_op, do, dv, is_async=True)
+        dk = warpgroup_mma(dst_op, q, dk, is_async=True)
+        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+        mbarrier.arrive(empty.index(stage), count=1)
+
+    cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
+    out_keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
+    keep = (out_keys < seqlen_k)[:, None]
+    p_dk = DK + off_b.to(gl.int64) * stride_dkb + off_hkv * stride_dkh + out_keys.to(gl.int64)[:, None] * stride_dks
+    p_dv = DV + off_b.to(gl.int64) * stride_dvb + off_hkv * stride_dvh + out_keys.to(gl.int64)[:, None] * stride_dvs
+    gl.store(p_dk + cols[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
+    gl.store(p_dv + cols[None, :], dv.to(DV.dtype.element_ty), mask=keep)
+
+
+def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile) -> None:
+    """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
+    and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous)."""
+    if tile.block_m != KEYS_PER_WARPGROUP or tile.block_n != 2 * KEYS_PER_WARPGROUP or tile.num_warps != 4:
+        raise ValueError(f"config: the Hopper dK/dV kernel runs 128 keys over two 4-warp warpgroups and 64-row "
+                         f"tiles, not {tile}")
+    b, sq, hq, d = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    rows_block, keys_block = (1, tile.block_m, 1, d), (1, tile.block_n, 1, d)
+    q_desc = TensorDescriptor.from_tensor(q, list(rows_block), _shared_layout(rows_block, q.dtype))
+    do_desc = TensorDescriptor.from_tensor(do, list(rows_block), _shared_layout(rows_block, do.dtype))
+    k_desc = TensorDescriptor.from_tensor(k, list(keys_block), _shared_layout(keys_block, k.dtype))
+    v_desc = TensorDescriptor.from_tensor(v, list(keys_block), _shared_layout(keys_block, v.dtype))
+    grid = (cdiv(sk, tile.block_n), b * hkv)
+    attention_bwd_dkdv_sm90_kernel[grid](
+        q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, lse.stride(0), lse.stride(1),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        sq, sk, hkv, scale * LOG2E, scale,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
+        GROUP=hq // hkv, num_warps=4,
+    )

@@ -1,0 +1,109 @@
+"""The warp-specialized Hopper dK/dV kernel (ops/backward_sm90.py): where the table routes it, that it compiles for
+sm_90 on any machine, and on an sm_90 GPU that dK and dV meet the §3 rule (dQ comes from the Triton kernel)."""
+
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from onlineattn import reference as R
+from onlineattn.ops import backward as B
+from onlineattn.ops import forward as F
+from onlineattn.ops._configs import _BWD_WS_DKDV, bwd_config
+from tests.ops.test_backward import _baseline_grads
+
+ROOT = Path(__file__).resolve().parents[2]
+sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+                          reason="needs an sm_90 GPU")
+gpu = pytest.mark.gpu
+
+
+def test_table_routes_plain_half_d64_d128():
+    for d in (64, 128):
+        for causal in (False, True):
+            cfg = bwd_config(d, d, torch.bfloat16, "cuda", causal=causal, ws_ok=True)
+            assert cfg.dkdv == _BWD_WS_DKDV[d] and cfg.dq == bwd_config(d, d, torch.bfloat16, "cuda",
+                                                                        causal=causal).dq
+    assert not bwd_config(128, 128, torch.bfloat16, "cuda", ws_ok=False).dkdv.gluon
+    for d, dv in ((256, 256), (128, 64), (96, 96)):
+        assert not bwd_config(d, dv, torch.bfloat16, "cuda", ws_ok=True).dkdv.gluon
+    assert not bwd_config(128, 128, torch.float32, "cuda", ws_ok=True).dkdv.gluon
+
+
+def test_gluon_tile_is_refused_where_it_cannot_run():
+    from onlineattn.ops import backward_sm90
+
+    q, k, v, do = (torch.randn(1, 8, 2, 128, dtype=torch.bfloat16) for _ in range(4))
+    o, lse = F.forward(q, k, v, 0.1, False)
+    cfg = replace(bwd_config(128, 128, torch.bfloat16, "cuda"), dkdv=_BWD_WS_DKDV[128])
+    with pytest.raises(ValueError, match="config"):
+        B.backward(do, q, k, v, o, lse, 0.1, False, config=cfg)
+    with pytest.raises(ValueError, match="config"):
+        backward_sm90.launch_dkdv(q, k, v, do, lse, lse, k, v, 0.1, False, replace(_BWD_WS_DKDV[128], block_m=128))
+
+
+_COMPILE = """
+import sys, torch, triton
+sys.path.insert(0, {bench!r})
+from probe_launch import Sm90NoLaunch
+triton.runtime.driver.set_active(Sm90NoLaunch())
+from onlineattn.ops import backward_sm90
+from onlineattn.ops._configs import _BWD_WS_DKDV
+for d, causal in ((128, False), (64, True)):
+    q = torch.randn(2, 300, 8, d, dtype=torch.bfloat16)
+    k = torch.randn(2, 300, 2, d, dtype=torch.bfloat16)
+    lse = torch.randn(2, 8, 300)
+    compiled = []
+    run = backward_sm90.attention_bwd_dkdv_sm90_kernel.run
+    backward_sm90.attention_bwd_dkdv_sm90_kernel.run = lambda *a, **kw: compiled.append(
+        run(*a, **{{**kw, "warmup": True}}))
+    backward_sm90.launch_dkdv(q, k, k, q, lse, lse, torch.empty_like(k), torch.empty_like(k), 0.1, causal,
+                              _BWD_WS_DKDV[d])
+    backward_sm90.attention_bwd_dkdv_sm90_kernel.run = run
+    print(d, compiled[0].asm["ptx"].count("wgmma.mma_async"))
+"""
+
+
+def test_kernel_compiles_for_sm90():
+    """Gluon -> PTX -> cubin for sm_90: per warpgroup and row tile Sᵀ and dPᵀ (d / 16 wgmma each) and dV and dK
+    (64 rows / 16 each), nothing duplicated."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["128", "48", "64", "32"], out.stdout
+
+
+SHAPES = [  # b, sq, sk, hq, hkv
+    (2, 1, 1, 2, 2),
+    (1, 65, 100, 8, 1),  # MQA 8:1: the group's sum in registers
+    (2, 129, 17, 4, 4),  # Sq > Sk: under causal the first rows see no key (lse = -inf)
+    (1, 300, 40, 4, 2),
+    (1, 1000, 1000, 4, 4),  # 16 row tiles: the stages wrap around
+    (2, 513, 700, 6, 2),  # Sk > Sq, group of 3
+]
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matches_oracle(shape, causal, dtype, d):
+    b, sq, sk, hq, hkv = shape
+    g = torch.Generator().manual_seed(sum(shape) + d + causal)
+    q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", dtype)
+                   for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+    o, lse = F.forward(q, k, v, d**-0.5, causal)
+    cfg = replace(bwd_config(d, d, dtype, "cuda", causal=causal), dkdv=_BWD_WS_DKDV[d])
+    dq, dk, dv = B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=cfg)
+    exact = R.naive_attention_backward(q, k, v, do, causal=causal)
+    base = _baseline_grads(q, k, v, do, causal)
+    for name, got, want, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), exact, base):
+        R.assert_within_rule(name, got, want, ref, str(dtype).replace("torch.", ""))
