@@ -77,12 +77,17 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    # Per row tile, lse (base 2) and delta: the producer writes them beside the tile's Q and dO, so the consumers hold
+    # them in registers only while they use them (as [64 keys x 64 rows] columns they take 16 registers each).
+    plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+    lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], plain)
+    delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], plain)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(ready.index(i), count=2)  # the copies' expect-tx arrival, then the row statistics' one
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     fence_async_shared()
 
@@ -91,41 +96,50 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     seqlen_q = gl.to_tensor(seqlen_q)
     seqlen_k = gl.to_tensor(seqlen_k)
     stride_lh = gl.to_tensor(stride_lh)
-    smem = (k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty)
-    where = (off_b, off_hkv, n0, lo, row_tiles)
-    consumer = smem + where + (LSE, DELTA, DK, DV, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
-                               stride_dvb, stride_dvs, stride_dvh, seqlen_q, seqlen_k, qk_scale, sm_scale)
+    smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty)
+    where = (off_b, off_hkv, n0, lo, row_tiles, seqlen_q)
+    consumer = smem + where + (DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                               seqlen_k, qk_scale, sm_scale)
     gl.warp_specialize([
         (_consumer, consumer + (_Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
         (_consumer, consumer + (_Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
         (_producer, (q_desc, k_desc, v_desc, do_desc) + smem + where
-         + (_Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
+         + (LSE, DELTA, stride_lb, stride_lh, _Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP))),
     ], [4, 1], [240, 24])
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty,
-              off_b, off_hkv, n0, lo, row_tiles, tile):
-    """One warp: this block's K and V once, then Q and dO of tile ``t`` (head ``t // row_tiles`` of the group, rows
-    ``lo + (t % row_tiles) · BLOCK_M``) into stage ``t % STAGES`` once both consumers have released it."""
+def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
+              empty, off_b, off_hkv, n0, lo, row_tiles, seqlen_q, LSE, DELTA, stride_lb, stride_lh, tile):
+    """One warp: this block's K and V once, then for tile ``t`` (head ``t // row_tiles`` of the group, rows
+    ``lo + (t % row_tiles) · BLOCK_M``) Q and dO by TMA and the rows' lse (base 2, +inf where a row saw no key, so
+    P = 0 there and past the last row) and delta into stage ``t % STAGES``, once both consumers have released it."""
     STAGES: gl.constexpr = tile.STAGES
+    BLOCK_M: gl.constexpr = tile.BLOCK_M
+    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [off_b, n0, off_hkv, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [off_b, n0, off_hkv, 0], kv_bar, v_smem)
     for t in range(row_tiles * tile.GROUP):
         stage = t % STAGES
         head = off_hkv * tile.GROUP + t // row_tiles
-        m = lo + (t % row_tiles) * tile.BLOCK_M
+        m = lo + (t % row_tiles) * BLOCK_M
         mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes the wait for parity 1
         mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [off_b, m, head, 0], ready.index(stage), q_smem.index(stage))
         tma.async_copy_global_to_shared(do_desc, [off_b, m, head, 0], ready.index(stage), do_smem.index(stage))
+        rows = m + gl.arange(0, BLOCK_M, layout=row_layout)
+        stats = off_b.to(gl.int64) * stride_lb + head * stride_lh + rows
+        lse = gl.load(LSE + stats, mask=rows < seqlen_q, other=float("inf"))
+        lse_smem.index(stage).store(gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634))
+        delta_smem.index(stage).store(gl.load(DELTA + stats, mask=rows < seqlen_q, other=0.0))
+        mbarrier.arrive(ready.index(stage))  # releases the stores above to the consumers' wait
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, off_b, off_hkv, n0, lo, row_tiles,
-              LSE, DELTA, DK, DV, stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
-              stride_dvb, stride_dvs, stride_dvh, seqlen_q, seqlen_k, qk_scale, sm_scale, tile):
+def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, off_b, off_hkv, n0, lo,
+              row_tiles, seqlen_q, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+              seqlen_k, qk_scale, sm_scale, tile):
     """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale)."""
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_M: gl.constexpr = tile.BLOCK_M
@@ -149,25 +163,20 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, ready, empty, off_b, off_
     v = v_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
     for t in range(row_tiles * tile.GROUP):
         stage = t % STAGES
-        head = off_hkv * tile.GROUP + t // row_tiles
         m = lo + (t % row_tiles) * BLOCK_M
-        rows = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-        stats = off_b.to(gl.int64) * stride_lb + head * stride_lh + rows
-        lse = gl.load(LSE + stats, mask=rows < seqlen_q, other=float("inf"))
-        lse = gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # a row with no key: P = 0
-        delta = gl.load(DELTA + stats, mask=rows < seqlen_q, other=0.0)
-
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
         q = q_smem.index(stage).reshape([BLOCK_M, D])
         do = do_smem.index(stage).reshape([BLOCK_M, D])
         st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
         st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+        lse = lse_smem.index(stage).load(gl.SliceLayout(0, st_layout))
         pt = gl.exp2(st * qk_scale - lse[None, :])
         if tile.CAUSAL:
             if m < full_from:
+                rows = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
                 pt = gl.where(keys[:, None] <= rows[None, :] + diag, pt, 0.0)
-        dst = pt * (dpt - delta[None, :])
+        dst = pt * (dpt - delta_smem.index(stage).load(gl.SliceLayout(0, st_layout))[None, :])
         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
         dst_op = gl.convert_layout(dst.to(dtype), a_layout)
         dv = warpgroup_mma(pt_op, do, dv, is_async=True)
