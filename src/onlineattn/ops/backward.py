@@ -29,13 +29,11 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._mods import PLAIN, Mods
 from ..torch_impl import BWD_SCHEMA, fake_backward, op_outputs, refuse_double_backward
 from . import bias_grad as bias_grad_kernel
 from . import _launch as launch_cache
-from .forward import ws_ok as _forward_ws_ok
 
 try:  # Gluon's Hopper API as triton 3.6 has it; without it the Triton dK/dV kernel runs
     from . import backward_sm90
@@ -46,7 +44,10 @@ from ._common import (
 )
 from ._configs import bwd_config
 from ._launch import cdiv, next_power_of_2, start
-from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, variant_args
+from .forward import (
+    KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, descriptor, variant_args,
+)
+from .forward import ws_ok as _forward_ws_ok
 
 PREPROCESS_ROWS = 64  # rows per program of the delta pass: it streams O and dO once, any tile saturates bandwidth
 
@@ -495,10 +496,6 @@ def ws_ok(do, q, k, v, mods: Mods) -> bool:
     return backward_sm90 is not None and _forward_ws_ok(q, k, v, 1.0, mods) and _tma_ok(k, v, do)
 
 
-def _descriptor(x, box_rows: int, box_heads: int, box_d: int):
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, box_rows, box_heads, box_d])
-
-
 def _preprocess(o, do, lse, dlse, delta, keep: bool = False):
     """``delta = rowsum(dO ∘ O) − dlse`` for o, do ``[B, Sq, Hq, Dv]`` into delta ``[B, Hq, Sq]`` (lse's layout).
     Returns ``(grid, Relaunch)`` of the launch: with ``keep`` the Relaunch to repeat it (None where it cannot be
@@ -541,8 +538,8 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     t = cfg.dkdv
     q_arg, do_arg = q, do
     if tma_rows:
-        q_arg = _descriptor(q, t.block_m // group, group, block_d)
-        do_arg = _descriptor(do, t.block_m // group, group, block_dv)
+        q_arg = descriptor(q, t.block_m // group, group, block_d)
+        do_arg = descriptor(do, t.block_m // group, group, block_dv)
     grid_dkdv = (cdiv(sk, t.block_n), b * hkv)
     if t.gluon:  # not kept: a repeat takes the full path (the Gluon launch has no Relaunch)
         backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t)
@@ -557,7 +554,7 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     t = cfg.dq
     k_arg, v_arg = k, v
     if tma_keys:
-        k_arg, v_arg = _descriptor(k, t.block_n, 1, block_d), _descriptor(v, t.block_n, 1, block_dv)
+        k_arg, v_arg = descriptor(k, t.block_n, 1, block_d), descriptor(v, t.block_n, 1, block_dv)
     grid_dq = (cdiv(sq * group, t.block_m), b * hkv)
     dq_kernel = start(
         keep, attention_bwd_dq_kernel, grid_dq, 7,
@@ -618,10 +615,10 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> boo
     q_arg, do_arg, k_arg, v_arg = q, do, k, v
     if step.tma_rows:
         rows = step.cfg.dkdv.block_m // group
-        q_arg, do_arg = _descriptor(q, rows, group, block_d), _descriptor(do, rows, group, block_dv)
+        q_arg, do_arg = descriptor(q, rows, group, block_d), descriptor(do, rows, group, block_dv)
     if step.tma_keys:
         keys = step.cfg.dq.block_n
-        k_arg, v_arg = _descriptor(k, keys, 1, block_d), _descriptor(v, keys, 1, block_dv)
+        k_arg, v_arg = descriptor(k, keys, 1, block_d), descriptor(v, keys, 1, block_dv)
     (grid_pre, pre), (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.pre, step.dkdv, step.dq
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     arrays_pre = (o, do, lse if dlse is None else dlse, delta)
