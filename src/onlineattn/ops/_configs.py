@@ -19,6 +19,7 @@ class FwdConfig:
     pipeline: bool = False  # the unmasked key loop overlaps block j's softmax with block j-1's P·V (forward.py)
     gluon: bool = False  # the warp-specialized Hopper kernel (forward_sm90.py): block_m rows over two warpgroups,
     #                      num_stages K/V stages filled by a producer warp; num_warps is per consumer warpgroup
+    persistent: bool = False  # gluon only: one program per SM looping over the tiles
 
 
 # Interpreter runs (CPU tensors, TRITON_INTERPRET=1): bigger tiles mean fewer Python-level programs; stages and warps
@@ -71,7 +72,8 @@ _FWD_LONG = {causal: {d: replace(cfg, pipeline=True) for d, cfg in table.items()
 #     232 / 374 / 449 causal against the Triton tile's 381 / 399 / 410 and 292 / 372 / 400.
 #   So each head dim takes it from a key count per mask (WS_MIN_KEYS: non-causal, causal) where it led; below, the
 #   128-row tiles leave SMs idle (few row tiles per head) and the Triton tiles keep the launch.
-_FWD_WS = {64: FwdConfig(128, 128, 4, 3, tma=True, gluon=True), 128: FwdConfig(128, 128, 4, 3, tma=True, gluon=True)}
+_FWD_WS = {64: FwdConfig(128, 128, 4, 3, tma=True, gluon=True, persistent=True),
+           128: FwdConfig(128, 128, 4, 3, tma=True, gluon=True, persistent=True)}
 WS_MIN_KEYS = {64: (4096, 16384), 128: (1024, 2048)}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 (above)
 

@@ -308,12 +308,9 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
                                seqlen_q=mods.max_seqlen_q if mods.varlen else q.shape[1],
                                seqlen_k=mods.max_seqlen_k if mods.varlen else k.shape[1], tma_ok=tma_ok,
                                ws_ok=tma_ok and ws_ok(q, k, v, scale, mods))
-    if cfg.gluon:
+    if cfg.gluon:  # one launch: its grid is one-dimensional (tiles), with no grid-y limit to slice the batch for
         check_int32_offsets(q=q, o=o)  # the kernel's row offsets within a batch entry are int32
-        for batch in batch_slices(q.shape[0], hq):
-            whole = batch == slice(0, q.shape[0])  # no views to make (each costs host time)
-            args = (q, k, v, o, lse) if whole else (q[batch], k[batch], v[batch], o[batch], lse[batch])
-            forward_sm90.launch(*args, scale, causal, cfg)
+        forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg)
         return o, lse
     use_tma = cfg.tma and tma_ok
     if mods.varlen:  # one launch over packed [1, total, H, D] views; each program finds its sequence
