@@ -22,7 +22,7 @@ gpu = pytest.mark.gpu
 
 
 def test_table_routes_plain_half_d64_d128():
-    """d = 64 and 128 in half precision from WS_MIN_KEYS keys (per mask); never without ws_ok, with variants, for
+    """d = 64 and 128 in half precision from WS_MIN_KEYS rows and keys (per mask); never without ws_ok, variants, for
     other head dims, unequal head dims, float32 or an unknown length."""
     pick = lambda d=128, dv=None, dtype=torch.bfloat16, causal=False, sk=4096, **kw: fwd_config(  # noqa: E731
         d, dv or d, dtype, causal, "cuda", seqlen_q=sk, seqlen_k=sk, **{"ws_ok": True, **kw})
@@ -32,15 +32,28 @@ def test_table_routes_plain_half_d64_d128():
             assert pick(d, causal=causal, sk=least) == _FWD_WS[d]
             assert pick(d, causal=causal, sk=least, dtype=torch.float16) == _FWD_WS[d]
             assert not pick(d, causal=causal, sk=least - 1).gluon and not pick(d, causal=causal, sk=None).gluon
+            short_q = fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=64, seqlen_k=65536, ws_ok=True)
+            assert not short_q.gluon  # short queries keep the Triton tiles (they pack a GQA group's rows)
     assert not pick(sk=16384, ws_ok=False).gluon and not pick(sk=16384, variants=True).gluon
     for other in (pick(d=256, sk=16384), pick(dv=64, sk=16384), pick(d=96, sk=16384), pick(d=32, sk=16384)):
         assert not other.gluon
     assert not fwd_config(128, 128, torch.float32, False, "cuda", seqlen_k=16384, ws_ok=True).gluon
 
 
-def test_ws_ok_needs_a_plain_cuda_call():
+def test_gluon_tile_is_refused_where_it_cannot_run():
+    """A gluon tile passed as ``config`` still needs a call the kernel can run (CPU tensors here: not sm_90), and
+    the launcher refuses tiles other than 128 rows over two 4-warp warpgroups."""
+    from dataclasses import replace
+
+    from onlineattn.ops import forward_sm90
+
     q, k, v = (torch.randn(1, 8, 2, 128, dtype=torch.bfloat16) for _ in range(3))
-    assert not F.ws_ok(q, k, v, 0.1, PLAIN)  # CPU tensors
+    assert not F.ws_ok(q, k, v, 0.1, PLAIN)
+    with pytest.raises(ValueError, match="config"):
+        F.forward(q, k, v, 0.1, False, config=_FWD_WS[128])
+    for bad in (replace(_FWD_WS[128], block_m=64), replace(_FWD_WS[128], num_warps=8)):
+        with pytest.raises(ValueError, match="config"):
+            forward_sm90.launch(q, k, v, torch.empty_like(q), torch.empty(1, 2, 8), 0.1, False, bad)
 
 
 _COMPILE = """
@@ -50,35 +63,37 @@ from probe_launch import Sm90NoLaunch
 triton.runtime.driver.set_active(Sm90NoLaunch())
 from onlineattn.ops import forward_sm90
 from onlineattn.ops._configs import _FWD_WS
-for causal, dtype in ((False, torch.bfloat16), (True, torch.float16)):
-    q = torch.randn(2, 300, 8, 128, dtype=dtype)
-    k = torch.randn(2, 300, 2, 128, dtype=dtype)
+for d, causal, dtype in ((128, False, torch.bfloat16), (128, True, torch.float16), (64, True, torch.bfloat16)):
+    q = torch.randn(2, 300, 8, d, dtype=dtype)
+    k = torch.randn(2, 300, 2, d, dtype=dtype)
     o, lse = torch.empty_like(q), torch.empty(2, 8, 300)
     compiled = []
     run = forward_sm90.attention_fwd_sm90_kernel.run
     forward_sm90.attention_fwd_sm90_kernel.run = lambda *a, **kw: compiled.append(run(*a, **{{**kw, "warmup": True}}))
-    forward_sm90.launch(q, k, k, o, lse, 0.1, causal, _FWD_WS[128])
+    forward_sm90.launch(q, k, k, o, lse, 0.1, causal, _FWD_WS[d])
     forward_sm90.attention_fwd_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
-    print(causal, ptx.count("wgmma.mma_async"), ptx.count("setmaxnreg"), compiled[0].metadata.shared,
-          _FWD_WS[128].num_stages)
+    print(d, causal, ptx.count("wgmma.mma_async"), ptx.count("setmaxnreg"), compiled[0].metadata.shared,
+          _FWD_WS[d].num_stages)
 """
 
 
 def test_kernel_compiles_for_sm90():
-    """The whole pipeline (Gluon -> PTX -> cubin) for sm_90 on this machine: two consumer warpgroups of 32 wgmma
-    each (QKᵀ of the first block, QKᵀ and P·V in the loop, the last P·V: 8 instructions of k = 16 each), the
-    partitions' register split, and Q plus the table's K/V stages within shared memory."""
+    """The whole pipeline (Gluon -> PTX -> cubin) for sm_90 on this machine: two consumer warpgroups, each issuing
+    QKᵀ of the first block, QKᵀ and P·V in the loop and the last P·V (k = 16 per instruction: 4 x (8 + 8) wgmma at
+    d = 128, 4 x (4 + 8) at d = 64: none duplicated), the partitions' register split, and Q plus the table's K/V
+    stages within shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.split("\n")
-    for line, causal in zip(lines, ("False", "True")):
-        flag, wgmma, setmaxnreg, shared, stages = line.split()
-        assert flag == causal and int(wgmma) == 64 and int(setmaxnreg) >= 2
-        assert 128 * 128 * 2 + int(stages) * 2 * 128 * 128 * 2 <= int(shared) <= 227 * 1024
+    lines = out.stdout.split()
+    assert len(lines) == 3 * 6, out.stdout
+    for i, (d, causal) in enumerate(((128, "False"), (128, "True"), (64, "True"))):
+        head, flag, wgmma, setmaxnreg, shared, stages = lines[6 * i: 6 * i + 6]
+        assert (int(head), flag) == (d, causal) and int(wgmma) == (64 if d == 128 else 48) and int(setmaxnreg) >= 2
+        assert 128 * d * 2 + int(stages) * 2 * 128 * d * 2 <= int(shared) <= 227 * 1024
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -89,7 +104,7 @@ SHAPES = [  # b, sq, sk, hq, hkv
     (1, 65, 100, 8, 1),  # MQA 8:1
     (2, 129, 17, 4, 4),  # Sq > Sk: under causal the first 112 rows see no key
     (2, 300, 40, 4, 2),  # causal: the first two 128-row tiles see no key at all (no block launched)
-    (1, 1000, 1000, 4, 4),  # 8 key blocks: the two stages wrap around
+    (1, 1000, 1000, 4, 4),  # 8 key blocks: the ring's stages wrap around
     (2, 513, 700, 6, 2),  # Sk > Sq, group of 3
 ]
 

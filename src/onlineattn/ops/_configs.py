@@ -17,8 +17,8 @@ class FwdConfig:
     warp_specialize: bool = False  # tl.range(warp_specialize=True) on the unmasked key loop (see the note below)
     heads_per_group: int = 1  # programs run longest-first across groups of this many (batch, kv head) columns
     pipeline: bool = False  # the unmasked key loop overlaps block j's softmax with block j-1's P·V (forward.py)
-    gluon: bool = False  # the warp-specialized Hopper kernel (forward_sm90.py): block_m rows over two warpgroups,
-    #                      num_stages K/V stages filled by a producer warp; num_warps is per consumer warpgroup
+    gluon: bool = False  # the warp-specialized Hopper kernel (forward_sm90.py): block_m = 128 rows over two
+    #                      warpgroups of num_warps = 4, num_stages K/V stages filled by a producer warp
     persistent: bool = False  # gluon only: one program per SM looping over the tiles
 
 
@@ -70,8 +70,10 @@ _FWD_LONG = {causal: {d: replace(cfg, pipeline=True) for d, cfg in table.items()
 #     492 / 577 / 618 against 477 / 574 / 617, causal 345 / 510 / 607 against 342 / 508 / 599); 64-key blocks lost
 #     everywhere (444-541 non-causal). d = 64 with 128-key blocks and three stages: 348 / 435 / 460 non-causal and
 #     232 / 374 / 449 causal against the Triton tile's 381 / 399 / 410 and 292 / 372 / 400.
-#   So each head dim takes it from a key count per mask (WS_MIN_KEYS: non-causal, causal) where it led; below, the
-#   128-row tiles leave SMs idle (few row tiles per head) and the Triton tiles keep the launch.
+#   So each head dim takes it from a sequence length per mask (WS_MIN_KEYS: non-causal, causal; both the query rows
+#   and the keys, since only Sq = Sk was measured) where it led clearly (d = 64 causal tied at 4096: 374 against
+#   372, so it starts at 16384); below, the 128-row tiles leave SMs idle (few row tiles per head) and the Triton
+#   tiles keep the launch (they also pack a GQA group's rows, which short queries need).
 _FWD_WS = {64: FwdConfig(128, 128, 4, 3, tma=True, gluon=True, persistent=True),
            128: FwdConfig(128, 128, 4, 3, tma=True, gluon=True, persistent=True)}
 WS_MIN_KEYS = {64: (4096, 16384), 128: (1024, 2048)}
@@ -106,7 +108,7 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
     if dtype == torch.float32:
         return _FWD_FP32[padded]
     ws = _FWD_WS.get(head_dim) if ws_ok and head_dim == head_dim_v and not variants else None
-    if ws is not None and (seqlen_k or 0) >= WS_MIN_KEYS[head_dim][causal]:
+    if ws is not None and min(seqlen_q or 0, seqlen_k or 0) >= WS_MIN_KEYS[head_dim][causal]:
         return ws
     if padded == 256 and (variants or not tma_ok or (seqlen_q is not None and seqlen_q <= 512)):
         return _FWD_D256_SMALL
@@ -250,8 +252,9 @@ _DECODE_HALF_FILL = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4,
 _DECODE_HALF_FILL_LONG = {128: DecodeConfig(128, 64, 4, 3)}
 # - Paged caches (session 18, sweep_decode.py --paged 256 at fbc1758, graph-timed, d = 128 bf16, Hq 32, Hkv 8): the
 #   page id feeds each block's K/V addresses, so the pipeliner keeps fewer K/V loads in flight than for a contiguous
-#   cache, and the contiguous tiles left paged B = 1 at 2.3-2.6 TB/s. Five stages restore the depth (the paged kernel
-#   does not stage K/V in shared memory, so they fit where a contiguous 128-key tile with 5 stages needs 264 KiB).
+#   cache, and the contiguous tiles left paged B = 1 at 2.3-2.6 TB/s. Five stages restore the depth. The gathered
+#   loads keep a shallower shared-memory buffer than a contiguous tile's stages: 137 KiB for the paged 128-key tile at
+#   5 stages (sm_90 compile), about a contiguous tile's at 3; the contiguous one at 5 stages needs 264 KiB.
 #   One program per SM: 128 keys, 5 stages: B = 1, L = 4k / 32k / 128k 14.9 / 58.2 / 204.9 us -> 14.1 / 46.3 / 148.0,
 #   B = 16, L = 4k 103.7 -> 74.2 (4, 6 and 8 stages within 1%; 3 and 4 stages time the same). Fuller grids: 64 keys,
 #   5 stages: B = 16, L = 32k 543.2 -> 526.0, L = 128k 2096.8 -> 2030.8, B = 64, L = 32k 1988.6 -> 1943.0.

@@ -19,7 +19,11 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .._mods import PLAIN, Mods, bias_4d
 from ..torch_impl import FWD_SCHEMA, autograd_formula, fake_forward, plain_eager, save_for_backward
 from . import _launch as launch_cache
-from . import forward_sm90
+
+try:  # Gluon's Hopper API as triton 3.6 has it; without it every launch takes the Triton kernel
+    from . import forward_sm90
+except ImportError:  # pragma: no cover - other Triton versions
+    forward_sm90 = None
 from ._common import (
     LOG2E, band_key_range, finalize_state, keep_scale, key_range, row_tile, score_mod, sequence_bounds, softmax_probs,
     tile_order, visible,
@@ -234,8 +238,8 @@ def ws_ok(q, k, v, scale, mods: Mods) -> bool:
     """Whether the warp-specialized Hopper kernel (forward_sm90.py) can run this call: plain attention on an sm_90
     device in half precision, equal head dims, a positive scale (its max is taken before scaling), and Q through a
     tensor descriptor too (K and V are checked by the caller)."""
-    return (mods is PLAIN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] == v.shape[-1]
-            and scale > 0 and forward_sm90.is_sm90(q.device.index if q.device.index is not None else
+    return (forward_sm90 is not None and mods is PLAIN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] == v.shape[-1] and scale > 0 and forward_sm90.is_sm90(q.device.index if q.device.index is not None else
                                                     torch.cuda.current_device()) and _tma_ok(q))
 
 
@@ -309,7 +313,10 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
                                seqlen_k=mods.max_seqlen_k if mods.varlen else k.shape[1], tma_ok=tma_ok,
                                ws_ok=tma_ok and ws_ok(q, k, v, scale, mods))
     if cfg.gluon:  # one launch: its grid is one-dimensional (tiles), with no grid-y limit to slice the batch for
-        check_int32_offsets(q=q, o=o)  # the kernel's row offsets within a batch entry are int32
+        if config is not None and not (tma_ok and ws_ok(q, k, v, scale, mods)):
+            raise ValueError("config: a gluon tile runs only plain half-precision calls on sm_90 with equal head dims, "
+                             "a positive scale and TMA-aligned q, k and v")
+        check_int32_offsets(o=o, lse=lse)  # the kernel's offsets within a batch entry are int32 (Q, K, V go by TMA)
         forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg)
         return o, lse
     use_tma = cfg.tma and tma_ok

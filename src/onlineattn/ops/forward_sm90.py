@@ -270,6 +270,8 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg) -> None:
     """``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]`` (checked by the caller: what ``forward.py`` routes here),
     into ``o [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (last dims contiguous). A ``persistent`` tile launches one
     program per SM, each looping over tiles; otherwise one program per tile."""
+    if cfg.block_m != 2 * ROWS_PER_WARPGROUP or cfg.num_warps != 4:
+        raise ValueError(f"config: the Hopper kernel runs 128-row tiles over two 4-warp warpgroups, not {cfg}")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     q_block, kv_block = (1, cfg.block_m, 1, d), (1, cfg.block_n, 1, d)
