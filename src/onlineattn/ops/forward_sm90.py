@@ -79,6 +79,18 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_
     fence_async_shared()
 
     smem = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
+    # Partition arguments must be IR values: an int argument equal to 1 arrives as a constexpr (Triton specialises
+    # it), so every scalar is made a tensor.
+    seqlen_q = gl.to_tensor(seqlen_q)
+    seqlen_k = gl.to_tensor(seqlen_k)
+    heads_q = gl.to_tensor(heads_q)
+    num_tiles = gl.to_tensor(num_tiles)
+    group = gl.to_tensor(group)
+    stride_ob = gl.to_tensor(stride_ob)
+    stride_os = gl.to_tensor(stride_os)
+    stride_oh = gl.to_tensor(stride_oh)
+    stride_lb = gl.to_tensor(stride_lb)
+    stride_lh = gl.to_tensor(stride_lh)
     shape = (seqlen_q, seqlen_k, heads_q, num_tiles)
     consumer = smem + shape + (O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale)
     gl.warp_specialize([
