@@ -54,10 +54,11 @@ def _inputs(b, length, page=0):
     return q, k, v, lens, table
 
 
-def _auto(b, length):
+def _auto(b, length, paged=False):
     """The launcher's own choice for this case: (tile, splits)."""
     sms = _sm_count(torch.device("cuda"))
-    tile = C.decode_config(D, D, torch.bfloat16, "cuda", batch_heads=b * HKV, max_seqlen_k=length, num_sms=sms)
+    tile = C.decode_config(D, D, torch.bfloat16, "cuda", batch_heads=b * HKV, max_seqlen_k=length, num_sms=sms,
+                           paged=paged)
     return tile, C.decode_num_splits(b * HKV, length, sms, tile.block_n)
 
 
@@ -74,7 +75,7 @@ def _label(tile, splits):
 def sweep_case(b, length, tiles, splits_list, results, cold=False, page=0, cross=False):
     q, k, v, lens, table = _inputs(b, length, page)
     tbps = lambda ms: 2 * b * length * HKV * D * 2 / ms / 1e9
-    auto_tile, auto_splits = _auto(b, length)
+    auto_tile, auto_splits = _auto(b, length, paged=bool(page))
     configs = [("auto", auto_tile, auto_splits)]
     configs += [("tile", t, 0) for t in tiles]
     configs += [("splits", t, s) for t in (tiles if cross else [auto_tile]) for s in splits_list]

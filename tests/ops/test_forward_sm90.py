@@ -138,3 +138,17 @@ def test_long_and_strided_bf16(causal):
     assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "unwritten elements"
     for rows in (slice(0, 256), slice(2000, 2256), slice(n - 256, n)):
         _check_rows(q, k, v, causal, o, lse, rows, scale=0.07)
+
+
+def test_repeats_launch_a_kept_gluon_step(monkeypatch):
+    """A plain whole-batch call routed here is kept: later calls with the same metadata launch it again without the
+    routing checks (``ws_ok``), with their own tensors; another shape takes the full path."""
+    checks, launches = [], []
+    monkeypatch.setattr(F, "_STEPS", {})
+    monkeypatch.setattr(F, "ws_ok", lambda *args: checks.append(1) or True)
+    monkeypatch.setattr(F.forward_sm90, "launch", lambda *args: launches.append(args))
+    for n in (8, 8, 8, 9):
+        q, k, v = (torch.randn(1, n, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+        o, lse = F.forward(q, k, v, 0.1, False, config=_FWD_WS[128])
+        assert launches[-1][:5] == (q, k, v, o, lse) and launches[-1][5:] == (0.1, False, _FWD_WS[128])
+    assert len(launches) == 4 and len(checks) == 2  # the first call of each shape

@@ -29,7 +29,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._mods import PLAIN, Mods
 from ..torch_impl import BWD_SCHEMA, fake_backward, op_outputs, refuse_double_backward
@@ -40,7 +39,9 @@ from ._common import (
 )
 from ._configs import bwd_config
 from ._launch import cdiv, next_power_of_2, start
-from .forward import KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, variant_args
+from .forward import (
+    KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, descriptor, variant_args,
+)
 
 PREPROCESS_ROWS = 64  # rows per program of the delta pass: it streams O and dO once, any tile saturates bandwidth
 
@@ -479,10 +480,6 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     return dq, dk, dv, dbias, dsinks
 
 
-def _descriptor(x, box_rows: int, box_heads: int, box_d: int):
-    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, box_rows, box_heads, box_d])
-
-
 def _preprocess(o, do, lse, dlse, delta, keep: bool = False):
     """``delta = rowsum(dO ∘ O) − dlse`` for o, do ``[B, Sq, Hq, Dv]`` into delta ``[B, Hq, Sq]`` (lse's layout).
     Returns ``(grid, Relaunch)`` of the launch: with ``keep`` the Relaunch to repeat it (None where it cannot be
@@ -525,8 +522,8 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     t = cfg.dkdv
     q_arg, do_arg = q, do
     if tma_rows:
-        q_arg = _descriptor(q, t.block_m // group, group, block_d)
-        do_arg = _descriptor(do, t.block_m // group, group, block_dv)
+        q_arg = descriptor(q, t.block_m // group, group, block_d)
+        do_arg = descriptor(do, t.block_m // group, group, block_dv)
     grid_dkdv = (cdiv(sk, t.block_n), b * hkv)
     dkdv = start(
         keep, attention_bwd_dkdv_kernel, grid_dkdv, 8,
@@ -537,7 +534,7 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     t = cfg.dq
     k_arg, v_arg = k, v
     if tma_keys:
-        k_arg, v_arg = _descriptor(k, t.block_n, 1, block_d), _descriptor(v, t.block_n, 1, block_dv)
+        k_arg, v_arg = descriptor(k, t.block_n, 1, block_d), descriptor(v, t.block_n, 1, block_dv)
     grid_dq = (cdiv(sq * group, t.block_m), b * hkv)
     dq_kernel = start(
         keep, attention_bwd_dq_kernel, grid_dq, 7,
@@ -598,10 +595,10 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> boo
     q_arg, do_arg, k_arg, v_arg = q, do, k, v
     if step.tma_rows:
         rows = step.cfg.dkdv.block_m // group
-        q_arg, do_arg = _descriptor(q, rows, group, block_d), _descriptor(do, rows, group, block_dv)
+        q_arg, do_arg = descriptor(q, rows, group, block_d), descriptor(do, rows, group, block_dv)
     if step.tma_keys:
         keys = step.cfg.dq.block_n
-        k_arg, v_arg = _descriptor(k, keys, 1, block_d), _descriptor(v, keys, 1, block_dv)
+        k_arg, v_arg = descriptor(k, keys, 1, block_d), descriptor(v, keys, 1, block_dv)
     (grid_pre, pre), (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.pre, step.dkdv, step.dq
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     arrays_pre = (o, do, lse if dlse is None else dlse, delta)

@@ -239,8 +239,18 @@ def ws_ok(q, k, v, scale, mods: Mods) -> bool:
     device in half precision, equal head dims, a positive scale (its max is taken before scaling), and Q through a
     tensor descriptor too (K and V are checked by the caller)."""
     return (forward_sm90 is not None and mods is PLAIN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] == v.shape[-1] and scale > 0 and forward_sm90.is_sm90(q.device.index if q.device.index is not None else
-                                                    torch.cuda.current_device()) and _tma_ok(q))
+            and q.shape[-1] == v.shape[-1] and scale > 0 and forward_sm90.is_sm90(q.device) and _tma_ok(q))
+
+
+def descriptor(x, box_rows: int, box_heads: int, box_d: int) -> TensorDescriptor:
+    """A tensor descriptor over ``x [B, S, H, D]`` with boxes ``[1, box_rows, box_heads, box_d]``."""
+    return TensorDescriptor(x, list(x.shape), list(x.stride()), [1, box_rows, box_heads, box_d])
+
+
+def _kv_descriptors(k, v, cfg):
+    """K's and V's descriptors for the forward kernel: boxes of ``cfg.block_n`` keys of one head."""
+    block_d, block_dv = max(16, next_power_of_2(k.shape[3])), max(16, next_power_of_2(v.shape[3]))
+    return descriptor(k, cfg.block_n, 1, block_d), descriptor(v, cfg.block_n, 1, block_dv)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -317,7 +327,9 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
             raise ValueError("config: a gluon tile runs only plain half-precision calls on sm_90 with equal head dims, "
                              "a positive scale and TMA-aligned q, k and v")
         check_int32_offsets(o=o, lse=lse)  # the kernel's offsets within a batch entry are int32 (Q, K, V go by TMA)
-        forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg)
+        forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg)  # one-dimensional grid of tiles: no batch slices
+        if mods is PLAIN and launch_cache.enabled:  # kept: a repeat skips the routing above (_repeat)
+            _remember(_step_key(q, k, v, o, lse, scale, causal, config), (cfg, False, None, None))
         return o, lse
     use_tma = cfg.tma and tma_ok
     if mods.varlen:  # one launch over packed [1, total, H, D] views; each program finds its sequence
@@ -384,8 +396,7 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
     block_d, block_dv = max(16, next_power_of_2(d)), max(16, next_power_of_2(dv))
     k_arg, v_arg = k, v
     if use_tma:
-        k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, cfg.block_n, 1, block_d])
-        v_arg = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, cfg.block_n, 1, block_dv])
+        k_arg, v_arg = _kv_descriptors(k, v, cfg)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *lse.stride()[:2])
     if mods.varlen:  # the grid covers the longest sequence; batch strides are 0 (pointers move per sequence)
         b, sq, sk = mods.cu_seqlens_q.shape[0] - 1, mods.max_seqlen_q, mods.max_seqlen_k
@@ -408,7 +419,7 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
 # (``Relaunch``) and rebuilds K's and V's descriptors around them. Where the relaunch declines (a hook set, an
 # alignment changed...), nothing is launched and the call takes the full path, which keeps a fresh launch.
 
-_STEPS: dict = {}  # metadata -> (tile, descriptor use, grid, Relaunch or None)
+_STEPS: dict = {}  # metadata -> (tile, descriptor use, grid, Relaunch or None); a gluon tile keeps only itself
 _MAX_STEPS = 256  # shapes a process sees are few; past this the table starts over
 
 
@@ -429,14 +440,13 @@ def _remember(key, step) -> None:
 def _repeat(q, k, v, o, lse, scale, causal, config) -> bool:
     """Launch a plain forward seen before through its kept launch; False (nothing launched) where there is none."""
     step = _STEPS.get(_step_key(q, k, v, o, lse, scale, causal, config))
+    if step is not None and step[0].gluon:  # the key holds all that routed it there (device, dtypes, alignment...)
+        forward_sm90.launch(q, k, v, o, lse, scale, causal, step[0])
+        return True
     if step is None or step[3] is None:
         return False
     cfg, use_tma, grid, relaunch = step
-    k_arg, v_arg = k, v
-    if use_tma:
-        block_d, block_dv = max(16, next_power_of_2(q.shape[3])), max(16, next_power_of_2(v.shape[3]))
-        k_arg = TensorDescriptor(k, list(k.shape), list(k.stride()), [1, cfg.block_n, 1, block_d])
-        v_arg = TensorDescriptor(v, list(v.shape), list(v.stride()), [1, cfg.block_n, 1, block_dv])
+    k_arg, v_arg = _kv_descriptors(k, v, cfg) if use_tma else (k, v)
     return relaunch(grid, (q, k_arg, v_arg, o, lse))
 
 

@@ -272,9 +272,13 @@ def _shared_layout(block: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), element)
 
 
+def is_sm90(device: torch.device) -> bool:
+    """Whether this CUDA device runs the kernel (Hopper's wgmma and TMA as sm_90a compiles them)."""
+    return _is_sm90(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.cache
-def is_sm90(device_index: int) -> bool:
-    """Whether the device runs this kernel (Hopper's wgmma and TMA as sm_90a compiles them)."""
+def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
