@@ -19,6 +19,7 @@ class FwdConfig:
     pipeline: bool = False  # the unmasked key loop overlaps block j's softmax with block j-1's P·V (forward.py)
     gluon: bool = False  # the warp-specialized Hopper kernel (forward_sm90.py): block_m = 128 rows over two
     #                      warpgroups of num_warps = 4, num_stages K/V stages filled by a producer warp
+    persistent: bool = False  # gluon only: one program per SM looping over the tiles
 
 
 # Interpreter runs (CPU tensors, TRITON_INTERPRET=1): bigger tiles mean fewer Python-level programs; stages and warps
@@ -73,7 +74,8 @@ _FWD_LONG = {causal: {d: replace(cfg, pipeline=True) for d, cfg in table.items()
 #   and the keys, since only Sq = Sk was measured) where it led clearly (d = 64 causal tied at 4096: 374 against
 #   372, so it starts at 16384); below, the 128-row tiles leave SMs idle (few row tiles per head) and the Triton
 #   tiles keep the launch (they also pack a GQA group's rows, which short queries need).
-_FWD_WS = {64: FwdConfig(128, 128, 4, 3, tma=True, gluon=True), 128: FwdConfig(128, 128, 4, 3, tma=True, gluon=True)}
+_FWD_WS = {64: FwdConfig(128, 128, 4, 3, tma=True, gluon=True, persistent=True),
+           128: FwdConfig(128, 128, 4, 3, tma=True, gluon=True, persistent=True)}
 WS_MIN_KEYS = {64: (4096, 16384), 128: (1024, 2048)}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 (above)
 

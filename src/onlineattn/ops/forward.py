@@ -322,18 +322,14 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
                                seqlen_q=mods.max_seqlen_q if mods.varlen else q.shape[1],
                                seqlen_k=mods.max_seqlen_k if mods.varlen else k.shape[1], tma_ok=tma_ok,
                                ws_ok=tma_ok and ws_ok(q, k, v, scale, mods))
-    if cfg.gluon:
+    if cfg.gluon:  # one launch: its grid is one-dimensional (tiles), with no grid-y limit to slice the batch for
         if config is not None and not (tma_ok and ws_ok(q, k, v, scale, mods)):
             raise ValueError("config: a gluon tile runs only plain half-precision calls on sm_90 with equal head dims, "
                              "a positive scale and TMA-aligned q, k and v")
         check_int32_offsets(o=o, lse=lse)  # the kernel's offsets within a batch entry are int32 (Q, K, V go by TMA)
-        for batch in batch_slices(q.shape[0], hq):
-            if batch == slice(0, q.shape[0]):  # the whole batch: no views to make (each costs host time)
-                forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg)
-                if mods is PLAIN and launch_cache.enabled:  # kept: a repeat skips the routing above (_repeat)
-                    _remember(_step_key(q, k, v, o, lse, scale, causal, config), (cfg, False, None, None))
-            else:
-                forward_sm90.launch(q[batch], k[batch], v[batch], o[batch], lse[batch], scale, causal, cfg)
+        forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg)  # one-dimensional grid of tiles: no batch slices
+        if mods is PLAIN and launch_cache.enabled:  # kept: a repeat skips the routing above (_repeat)
+            _remember(_step_key(q, k, v, o, lse, scale, causal, config), (cfg, False, None, None))
         return o, lse
     use_tma = cfg.tma and tma_ok
     if mods.varlen:  # one launch over packed [1, total, H, D] views; each program finds its sequence

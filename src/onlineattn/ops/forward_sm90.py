@@ -55,105 +55,149 @@ class _Tile:
 
 @gluon.jit
 def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                              seqlen_q, seqlen_k, heads_q, group, qk_scale,
+                              seqlen_q, seqlen_k, heads_q, group, qk_scale, num_tiles,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                               STAGES: gl.constexpr, CAUSAL: gl.constexpr):
-    pid_m = gl.program_id(0)
-    if CAUSAL:  # the bottom row tiles have the most key blocks: launch them first so the grid's tail is short
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    pid_bh = gl.program_id(1)
-    off_b = pid_bh // heads_q
-    off_h = pid_bh % heads_q
-    m0 = pid_m * BLOCK_M
-    hi = seqlen_k
-    if CAUSAL:  # bottom-right diagonal: row i sees keys j <= i + Sk - Sq
-        hi = gl.minimum(seqlen_k, m0 + BLOCK_M + seqlen_k - seqlen_q)
-    n_blocks = gl.maximum(gl.cdiv(hi, BLOCK_N), 0)  # 0 when every row of the tile sits above the diagonal
-
+    """Programs take tiles ``pid, pid + programs, ...`` of ``num_tiles`` (one each when the grid covers them all)."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(k_empty.index(i), count=2)
         mbarrier.init(v_empty.index(i), count=2)
     fence_async_shared()
 
-    smem = (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty)
-    consumer = smem + (O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, off_b, off_h, m0, n_blocks,
-                       seqlen_q, seqlen_k, qk_scale)
+    smem = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
+    # Partition arguments must be IR values: an int argument equal to 1 arrives as a constexpr (Triton specialises
+    # it), so every scalar is made a tensor.
+    seqlen_q = gl.to_tensor(seqlen_q)
+    seqlen_k = gl.to_tensor(seqlen_k)
+    heads_q = gl.to_tensor(heads_q)
+    num_tiles = gl.to_tensor(num_tiles)
+    group = gl.to_tensor(group)
+    stride_ob = gl.to_tensor(stride_ob)
+    stride_os = gl.to_tensor(stride_os)
+    stride_oh = gl.to_tensor(stride_oh)
+    stride_lb = gl.to_tensor(stride_lb)
+    stride_lh = gl.to_tensor(stride_lh)
+    shape = (seqlen_q, seqlen_k, heads_q, num_tiles)
+    consumer = smem + shape + (O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale)
     gl.warp_specialize([
         (_consumer, consumer + (_Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL),)),
         (_consumer, consumer + (_Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL),)),
-        (_producer, (q_desc, k_desc, v_desc) + smem + (off_b, off_h, off_h // group, m0, n_blocks,
-                                                       _Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL))),
+        (_producer, (q_desc, k_desc, v_desc) + smem + shape + (group,
+                                                               _Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL))),
     ], [4, 1], [240, 24])
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-              off_b, off_h, off_hkv, m0, n_blocks, tile):
-    """One warp: Q once, then K_j and V_j into stage j % STAGES once both consumers have released it."""
-    BLOCK_N: gl.constexpr = tile.BLOCK_N
-    STAGES: gl.constexpr = tile.STAGES
-    if n_blocks > 0:  # with no key block the consumers wait on nothing: no copy may be left in flight
-        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], q_bar, q_smem)
-    for j in range(n_blocks):
-        stage = j % STAGES
-        phase = (j // STAGES) & 1
-        mbarrier.wait(k_empty.index(stage), phase ^ 1)  # a fresh barrier passes the wait for parity 1
-        mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hkv, 0], k_ready.index(stage),
-                                        k_smem.index(stage))
-        mbarrier.wait(v_empty.index(stage), phase ^ 1)
-        mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hkv, 0], v_ready.index(stage),
-                                        v_smem.index(stage))
+def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile):
+    """Tile ``t`` -> (batch, q head, first row, key blocks). Causal: every head's bottom row tile (the most key
+    blocks) comes first, so the tiles handed out last are the short ones; otherwise a head's row tiles are adjacent
+    (they share K and V in L2)."""
+    num_m = gl.cdiv(seqlen_q, tile.BLOCK_M)
+    if tile.CAUSAL:
+        heads = num_tiles // num_m  # batch · q heads
+        pid_m = num_m - 1 - t // heads
+        pid_bh = t % heads
+    else:
+        pid_m = t % num_m
+        pid_bh = t // num_m
+    m0 = pid_m * tile.BLOCK_M
+    hi = seqlen_k
+    if tile.CAUSAL:  # bottom-right diagonal: row i sees keys j <= i + Sk - Sq
+        hi = gl.minimum(seqlen_k, m0 + tile.BLOCK_M + seqlen_k - seqlen_q)
+    n_blocks = gl.maximum(gl.cdiv(hi, tile.BLOCK_N), 0)  # 0 when every row of the tile sits above the diagonal
+    return pid_bh // heads_q, pid_bh % heads_q, m0, n_blocks
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-              O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, off_b, off_h, m0, n_blocks,
-              seqlen_q, seqlen_k, qk_scale, tile):
-    """One warpgroup: 64 rows' online softmax over every key block, then their output and log-sum-exp."""
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              seqlen_q, seqlen_k, heads_q, num_tiles, group, tile):
+    """One warp: per tile, Q once both consumers have released the last one, then K_j and V_j into the ring's next
+    stages (``it`` counts blocks across tiles) once both consumers have released them."""
+    BLOCK_N: gl.constexpr = tile.BLOCK_N
+    STAGES: gl.constexpr = tile.STAGES
+    it = 0
+    q_phase = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_b, off_h, m0, n_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile)
+        if n_blocks > 0:  # with no key block the consumers wait on nothing: no copy may be left in flight
+            mbarrier.wait(q_empty, q_phase ^ 1)  # a fresh barrier passes the wait for parity 1
+            mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], q_ready, q_smem)
+            q_phase ^= 1
+        off_hkv = off_h // group
+        for j in range(n_blocks):
+            stage = it % STAGES
+            phase = (it // STAGES) & 1
+            mbarrier.wait(k_empty.index(stage), phase ^ 1)
+            mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hkv, 0], k_ready.index(stage),
+                                            k_smem.index(stage))
+            mbarrier.wait(v_empty.index(stage), phase ^ 1)
+            mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hkv, 0], v_ready.index(stage),
+                                            v_smem.index(stage))
+            it += 1
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+              seqlen_q, seqlen_k, heads_q, num_tiles,
+              O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, tile):
+    """One warpgroup: per tile, its 64 rows' online softmax over every key block, then their output and
+    log-sum-exp."""
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_N: gl.constexpr = tile.BLOCK_N
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-    row0 = m0 + tile.WG * 64
-    m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([64, D], gl.float32, layout=o_layout)
-    if n_blocks > 0:
-        m_i, l_i, acc = _attend(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m_i, l_i, acc,
-                                row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout, o_layout)
+    it = 0
+    q_phase = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        off_b, off_h, m0, n_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile)
+        row0 = m0 + tile.WG * 64
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([64, D], gl.float32, layout=o_layout)
+        if n_blocks > 0:
+            m_i, l_i, acc = _attend(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                                    m_i, l_i, acc, it, q_phase, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile,
+                                    s_layout, o_layout)
+            it += n_blocks
+            q_phase ^= 1
 
-    # o = acc / l and lse = (m + log2 l) · ln 2; a row that saw no key gets o = 0 and lse = -inf.
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-    o_rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
-    o_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    p_o = O + off_b.to(gl.int64) * stride_ob + off_h * stride_oh + o_rows.to(gl.int64)[:, None] * stride_os
-    gl.store(p_o + o_cols[None, :], o.to(O.dtype.element_ty), mask=(o_rows < seqlen_q)[:, None])
-    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
-    gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
+        # o = acc / l and lse = (m + log2 l) · ln 2; a row that saw no key gets o = 0 and lse = -inf.
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+        o_rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        p_o = O + off_b.to(gl.int64) * stride_ob + off_h * stride_oh + o_rows.to(gl.int64)[:, None] * stride_os
+        gl.store(p_o + o_cols[None, :], o.to(O.dtype.element_ty), mask=(o_rows < seqlen_q)[:, None])
+        rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+        lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+        gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
 
 
 @gluon.jit
-def _attend(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m_i, l_i, acc,
-            row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """The key loop of one warpgroup (``n_blocks >= 1``): returns its (m, l, acc)."""
+def _attend(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, m_i, l_i, acc, it,
+            q_phase, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout: gl.constexpr,
+            o_layout: gl.constexpr):
+    """The key loop of one warpgroup over one tile (``n_blocks >= 1``; the tile's blocks are the ring's ``it``,
+    ``it + 1``, ...): returns its (m, l, acc). Q is released as soon as the tile's last QKᵀ is done, so the producer
+    can load the next tile's Q under this tile's last P·V and epilogue."""
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_N: gl.constexpr = tile.BLOCK_N
     STAGES: gl.constexpr = tile.STAGES
@@ -165,34 +209,37 @@ def _attend(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, m
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
     zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
 
-    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(q_ready, q_phase)
     q = q_smem.reshape([tile.BLOCK_M, D]).slice(tile.WG * 64, 64)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, use_acc=False,
+    stage = it % STAGES
+    mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
+    s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, use_acc=False,
                       is_async=True)
     s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(0), count=1)
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    mbarrier.arrive(q_empty, count=1, pred=n_blocks == 1)
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, rows, seqlen_k, diag, mask_from, qk_scale, tile.CAUSAL, BLOCK_N,
                                   s_layout)
     for j in range(1, n_blocks):
-        stage = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(stage), (j // STAGES) & 1)
+        stage = (it + j) % STAGES
+        prev = (it + j - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), ((it + j) // STAGES) & 1)
         s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, use_acc=False,
                           is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
         p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
         acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # QKᵀ_j, issued first, is done; P_{j-1}·V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
+        mbarrier.arrive(q_empty, count=1, pred=j == n_blocks - 1)
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, j * BLOCK_N, rows, seqlen_k, diag, mask_from, qk_scale,
                                       tile.CAUSAL, BLOCK_N, s_layout)
         # p among the deps keeps this wait after the softmax in the generated code.
         acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    last = (n_blocks - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    last = (it + n_blocks - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
     p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
     acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
@@ -237,7 +284,8 @@ def _is_sm90(device_index: int) -> bool:
 
 def launch(q, k, v, o, lse, scale: float, causal: bool, cfg) -> None:
     """``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]`` (checked by the caller: what ``forward.py`` routes here),
-    into ``o [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (last dims contiguous)."""
+    into ``o [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (last dims contiguous). A ``persistent`` tile launches one
+    program per SM, each looping over tiles; otherwise one program per tile."""
     if cfg.block_m != 2 * ROWS_PER_WARPGROUP or cfg.num_warps != 4:
         raise ValueError(f"config: the Hopper kernel runs 128-row tiles over two 4-warp warpgroups, not {cfg}")
     b, sq, hq, d = q.shape
@@ -246,10 +294,22 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg) -> None:
     q_desc = TensorDescriptor.from_tensor(q, list(q_block), _shared_layout(q_block, q.dtype))
     k_desc = TensorDescriptor.from_tensor(k, list(kv_block), _shared_layout(kv_block, k.dtype))
     v_desc = TensorDescriptor.from_tensor(v, list(kv_block), _shared_layout(kv_block, v.dtype))
-    grid = (cdiv(sq, cfg.block_m), b * hq)
+    num_tiles = cdiv(sq, cfg.block_m) * b * hq
+    grid = (min(num_tiles, _sm_count(q.device)) if cfg.persistent else num_tiles,)
     attention_fwd_sm90_kernel[grid](
         q_desc, k_desc, v_desc, o, lse, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
-        sq, sk, hq, hq // hkv, scale * LOG2E,
+        sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=causal,
         num_warps=4,
     )
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _sm_count(device) -> int:
+    if device.type != "cuda":  # compile-only runs (tests/ops/test_forward_sm90.py) on CPU tensors
+        return 132
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
