@@ -13,7 +13,7 @@ import torch
 from onlineattn import reference as R
 from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
-from onlineattn.ops._configs import _BWD_WS_DKDV, bwd_config
+from onlineattn.ops._configs import _BWD_WS_DKDV, BWD_WS_MIN_KEYS, bwd_config
 from tests.ops.test_backward import _baseline_grads
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,15 +23,23 @@ gpu = pytest.mark.gpu
 
 
 def test_table_routes_plain_half_d64_d128():
+    """d = 64 and 128 in half precision from BWD_WS_MIN_KEYS rows and keys (per mask), beside the table's dQ tile;
+    never without ws_ok, below those lengths, with an unknown length, for other head dims or float32."""
+    pick = lambda d=128, dv=None, dtype=torch.bfloat16, causal=False, n=16384, m=None, **kw: bwd_config(  # noqa: E731
+        d, dv or d, dtype, "cuda", causal=causal, seqlen_q=n if m is None else m, seqlen_k=n, **{"ws_ok": True, **kw})
     for d in (64, 128):
         for causal in (False, True):
-            cfg = bwd_config(d, d, torch.bfloat16, "cuda", causal=causal, ws_ok=True)
+            least = BWD_WS_MIN_KEYS[d][causal]
+            cfg = pick(d, causal=causal, n=least)
             assert cfg.dkdv == _BWD_WS_DKDV[d] and cfg.dq == bwd_config(d, d, torch.bfloat16, "cuda",
                                                                         causal=causal).dq
-    assert not bwd_config(128, 128, torch.bfloat16, "cuda", ws_ok=False).dkdv.gluon
+            assert not pick(d, causal=causal, n=least - 1).dkdv.gluon
+            assert not pick(d, causal=causal, n=least, m=least - 1).dkdv.gluon
+            assert not pick(d, causal=causal, n=None).dkdv.gluon
+    assert not pick(ws_ok=False).dkdv.gluon
     for d, dv in ((256, 256), (128, 64), (96, 96)):
-        assert not bwd_config(d, dv, torch.bfloat16, "cuda", ws_ok=True).dkdv.gluon
-    assert not bwd_config(128, 128, torch.float32, "cuda", ws_ok=True).dkdv.gluon
+        assert not pick(d, dv).dkdv.gluon
+    assert not pick(dtype=torch.float32).dkdv.gluon
 
 
 def test_gluon_tile_is_refused_where_it_cannot_run():

@@ -5,6 +5,7 @@ tiles with no visible key, GQA, strided inputs and both half dtypes."""
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -29,8 +30,8 @@ def test_table_routes_plain_half_d64_d128():
     for d in (64, 128):
         for causal in (False, True):
             least = WS_MIN_KEYS[d][causal]
-            assert pick(d, causal=causal, sk=least) == _FWD_WS[d]
-            assert pick(d, causal=causal, sk=least, dtype=torch.float16) == _FWD_WS[d]
+            assert pick(d, causal=causal, sk=least) == _FWD_WS[causal][d]
+            assert pick(d, causal=causal, sk=least, dtype=torch.float16) == _FWD_WS[causal][d]
             assert not pick(d, causal=causal, sk=least - 1).gluon and not pick(d, causal=causal, sk=None).gluon
             short_q = fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=64, seqlen_k=65536, ws_ok=True)
             assert not short_q.gluon  # short queries keep the Triton tiles (they pack a GQA group's rows)
@@ -43,15 +44,13 @@ def test_table_routes_plain_half_d64_d128():
 def test_gluon_tile_is_refused_where_it_cannot_run():
     """A gluon tile passed as ``config`` still needs a call the kernel can run (CPU tensors here: not sm_90), and
     the launcher refuses tiles other than 128 rows over two 4-warp warpgroups."""
-    from dataclasses import replace
-
     from onlineattn.ops import forward_sm90
 
     q, k, v = (torch.randn(1, 8, 2, 128, dtype=torch.bfloat16) for _ in range(3))
     assert not F.ws_ok(q, k, v, 0.1, PLAIN)
     with pytest.raises(ValueError, match="config"):
-        F.forward(q, k, v, 0.1, False, config=_FWD_WS[128])
-    for bad in (replace(_FWD_WS[128], block_m=64), replace(_FWD_WS[128], num_warps=8)):
+        F.forward(q, k, v, 0.1, False, config=_FWD_WS[False][128])
+    for bad in (replace(_FWD_WS[False][128], block_m=64), replace(_FWD_WS[False][128], num_warps=8)):
         with pytest.raises(ValueError, match="config"):
             forward_sm90.launch(q, k, v, torch.empty_like(q), torch.empty(1, 2, 8), 0.1, False, bad)
 
@@ -70,11 +69,11 @@ for d, causal, dtype in ((128, False, torch.bfloat16), (128, True, torch.float16
     compiled = []
     run = forward_sm90.attention_fwd_sm90_kernel.run
     forward_sm90.attention_fwd_sm90_kernel.run = lambda *a, **kw: compiled.append(run(*a, **{{**kw, "warmup": True}}))
-    forward_sm90.launch(q, k, k, o, lse, 0.1, causal, _FWD_WS[d])
+    forward_sm90.launch(q, k, k, o, lse, 0.1, causal, _FWD_WS[causal][d])
     forward_sm90.attention_fwd_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
     print(d, causal, ptx.count("wgmma.mma_async"), ptx.count("setmaxnreg"), compiled[0].metadata.shared,
-          _FWD_WS[d].num_stages)
+          _FWD_WS[causal][d].num_stages)
 """
 
 
@@ -114,27 +113,32 @@ SHAPES = [  # b, sq, sk, hq, hkv
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_oracle(shape, causal, dtype, d):
+def test_matches_oracle(shape, persistent, causal, dtype, d):
+    """Either schedule under either mask (the table picks one per mask; an explicit config may pick the other)."""
     b, sq, sk, hq, hkv = shape
     q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, dtype, seed=sum(shape) + causal + d, device="cuda")
-    o, lse = _run_poisoned(q, k, v, causal, config=_FWD_WS[d])
+    o, lse = _run_poisoned(q, k, v, causal, config=replace(_FWD_WS[causal][d], persistent=persistent))
     _check(q, k, v, causal, o, lse)
 
 
 @gpu
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
-def test_long_and_strided_bf16(causal):
+@pytest.mark.parametrize("table", [True, False], ids=["table", "other-schedule"])
+def test_long_and_strided_bf16(causal, table):
     """4099 keys (33 blocks, the last one partial) from [B, H, S, D] storage viewed as [B, S, H, D], an explicit
-    scale, and the default table (which routes here)."""
-    b, n, hq, hkv = 1, 4099, 6, 2
+    scale; the default table (which routes here), or the schedule the table does not pick for this mask. 2 · 6 · 33
+    = 396 tiles: a persistent grid of 132 programs runs a reversed full lap (its snake order) and a partial one."""
+    b, n, hq, hkv = 2, 4099, 6, 2
     q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
                for x in _inputs(b, n, n, hq, hkv, 128, 128, torch.bfloat16, seed=n, device="cuda"))
     assert F.ws_ok(q, k, v, 0.07, PLAIN)
     cfg = fwd_config(128, 128, torch.bfloat16, causal, "cuda", seqlen_q=n, seqlen_k=n, ws_ok=True)
-    assert cfg == _FWD_WS[128]
-    o, lse = _run_poisoned(q, k, v, causal, scale=0.07)
+    assert cfg == _FWD_WS[causal][128]
+    config = None if table else replace(cfg, persistent=not cfg.persistent)
+    o, lse = _run_poisoned(q, k, v, causal, scale=0.07, config=config)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "unwritten elements"
     for rows in (slice(0, 256), slice(2000, 2256), slice(n - 256, n)):
         _check_rows(q, k, v, causal, o, lse, rows, scale=0.07)
@@ -149,6 +153,6 @@ def test_repeats_launch_a_kept_gluon_step(monkeypatch):
     monkeypatch.setattr(F.forward_sm90, "launch", lambda *args: launches.append(args))
     for n in (8, 8, 8, 9):
         q, k, v = (torch.randn(1, n, 2, 128, dtype=torch.bfloat16) for _ in range(3))
-        o, lse = F.forward(q, k, v, 0.1, False, config=_FWD_WS[128])
-        assert launches[-1][:5] == (q, k, v, o, lse) and launches[-1][5:] == (0.1, False, _FWD_WS[128])
+        o, lse = F.forward(q, k, v, 0.1, False, config=_FWD_WS[False][128])
+        assert launches[-1][:5] == (q, k, v, o, lse) and launches[-1][5:] == (0.1, False, _FWD_WS[False][128])
     assert len(launches) == 4 and len(checks) == 2  # the first call of each shape

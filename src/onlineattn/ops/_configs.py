@@ -71,12 +71,22 @@ _FWD_LONG = {causal: {d: replace(cfg, pipeline=True) for d, cfg in table.items()
 #     everywhere (444-541 non-causal). d = 64 with 128-key blocks and three stages: 348 / 435 / 460 non-causal and
 #     232 / 374 / 449 causal against the Triton tile's 381 / 399 / 410 and 292 / 372 / 400.
 #   So each head dim takes it from a sequence length per mask (WS_MIN_KEYS: non-causal, causal; both the query rows
-#   and the keys, since only Sq = Sk was measured) where it led clearly (d = 64 causal tied at 4096: 374 against
-#   372, so it starts at 16384); below, the 128-row tiles leave SMs idle (few row tiles per head) and the Triton
-#   tiles keep the launch (they also pack a GQA group's rows, which short queries need).
-_FWD_WS = {64: FwdConfig(128, 128, 4, 3, tma=True, gluon=True, persistent=True),
-           128: FwdConfig(128, 128, 4, 3, tma=True, gluon=True, persistent=True)}
-WS_MIN_KEYS = {64: (4096, 16384), 128: (1024, 2048)}
+#   and the keys, since only Sq = Sk was measured) where it led clearly; below, the 128-row tiles leave SMs idle (few
+#   row tiles per head) and the Triton tiles keep the launch (they also pack a GQA group's rows, which short queries
+#   need).
+# - Persistent (session 19, .devrun/gsweep3.py, same grid, beside a GPU suite on the other GPU): one program per SM
+#   looping over tiles (snake order: odd laps reversed) against one program per tile and the Triton tile, TFLOP/s.
+#   Non-causal it won at every point: d = 128 N = 512 / 1024 / 2048 / 16384: 436 / 528 / 564 / 618 against 364 /
+#   468 / 535 / 611 per tile and 364 / 427 / 458 / 511 Triton; d = 64: 332 / 393 / 426 / 459 against 223 / 335 /
+#   392 / 457 and 315 / 366 / 389 / 414. So non-causal launches take it from N = 512 at both head dims.
+#   Causal d = 128 N = 1024 / 2048 / 4096 / 8192 / 16384: persistent 308 / 397 / 451 / 513 / 557, per tile 297 / 379
+#   / 471 / 508 / 587, Triton 347 / 405 / 452 / 476 / 502: one program per tile (the hardware hands the next tile to
+#   whichever SM frees first) from 4096. Causal d = 64 N = 2048 / 4096 / 16384: persistent 333 / 370 / 430, per tile
+#   302 / 354 / 399, Triton 353 / 369 / 408: persistent, from 16384 (4096 tied).
+_WS_TILE = FwdConfig(128, 128, 4, 3, tma=True, gluon=True)
+_FWD_WS = {False: {64: replace(_WS_TILE, persistent=True), 128: replace(_WS_TILE, persistent=True)},
+           True: {64: replace(_WS_TILE, persistent=True), 128: _WS_TILE}}
+WS_MIN_KEYS = {64: (512, 16384), 128: (512, 4096)}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 (above)
 
 # fp32 tiles take twice the shared memory and run as ieee fp32 (exactness before speed): smaller tiles.
@@ -107,7 +117,7 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
     padded = _padded(max(head_dim, head_dim_v))
     if dtype == torch.float32:
         return _FWD_FP32[padded]
-    ws = _FWD_WS.get(head_dim) if ws_ok and head_dim == head_dim_v and not variants else None
+    ws = _FWD_WS[causal].get(head_dim) if ws_ok and head_dim == head_dim_v and not variants else None
     if ws is not None and min(seqlen_q or 0, seqlen_k or 0) >= WS_MIN_KEYS[head_dim][causal]:
         return ws
     if padded == 256 and (variants or not tma_ok or (seqlen_q is not None and seqlen_q <= 512)):
@@ -174,14 +184,25 @@ _BWD_FP32_SMALL = BwdConfig(BwdTile(32, 32, 4, 1), BwdTile(32, 32, 4, 1))
 _BWD_FP32_D256 = BwdConfig(BwdTile(16, 16, 4, 1), BwdTile(16, 16, 4, 1))
 
 
-# - ws-bwd (experiment, not measured): the warp-specialized Gluon dK/dV kernel beside the table's dQ kernel, for
-#   plain half-precision d = 64 / 128 launches on sm_90 (``ws_ok``). Two Q/dO stages of 64 rows.
+# - The warp-specialized Gluon dK/dV kernel (backward_sm90.py, session 19) beside the table's dQ kernel, for plain
+#   half-precision d = 64 / 128 launches on sm_90 (``ws_ok``); two Q/dO stages of 64 rows. Whole backward, TFLOP/s,
+#   bf16, B·N = 16k tokens (.devrun/bsweep.py, bsweep2.py), against the Triton dK/dV tile:
+#   - non-causal d = 128 N = 512 / 1024 / 2048 / 4096 / 16384: 285 / 357-366 / 410 / 431 / 461 against 270 / 333-335
+#     / 368 / 388 / 398; d = 64: 273 / 329-334 / 363 / 390 / 405 against 269 / 313-317 / 334 / 357 / 362;
+#   - causal d = 128 N = 512 / 1024 / 2048 / 4096 / 16384: 179 / 261-262 / 328 / 376 / 448 against 194 / 267-273 /
+#     331 / 371 / 423; d = 64: 167 / 240-241 / 296 / 337 / 382 against 172 / 234-235 / 279 / 318 / 349.
+#   So it runs from BWD_WS_MIN_KEYS (non-causal, causal; rows and keys, as the forward's) where it led.
+#   The profile at d = 128 N = 16384 non-causal: dK/dV 6.41 ms (4 of the 7 matmuls: about 690 TFLOP/s executed),
+#   dQ 4.99 ms (3 of 7: about 660): each near the matmul ceiling; what is left is the recomputed QKᵀ and dO·Vᵀ.
 _BWD_WS_DKDV = {64: BwdTile(64, 128, 4, 2, tma=True, gluon=True), 128: BwdTile(64, 128, 4, 2, tma=True, gluon=True)}
+BWD_WS_MIN_KEYS = {64: (512, 1024), 128: (512, 4096)}
 
 
 def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *,
-               causal: bool = False, ws_ok: bool = False) -> BwdConfig:
-    """The tiles of a backward launch; ``ws_ok``: the Hopper dK/dV kernel can run it (``backward.ws_ok``)."""
+               causal: bool = False, ws_ok: bool = False, seqlen_q: int | None = None,
+               seqlen_k: int | None = None) -> BwdConfig:
+    """The tiles of a backward launch; ``ws_ok``: the Hopper dK/dV kernel can run it (``backward.ws_ok``);
+    ``seqlen_q``/``seqlen_k``: query rows / keys per sequence (None: unknown, and the Hopper kernel is not taken)."""
     if device_type != "cuda":
         return _BWD_INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
@@ -189,7 +210,9 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
         return _BWD_FP32_D256 if padded > 128 else _BWD_FP32_SMALL
     cfg = (_BWD_CUDA_CAUSAL if causal else _BWD_CUDA)[padded]
     ws = _BWD_WS_DKDV.get(head_dim) if ws_ok and head_dim == head_dim_v else None
-    return cfg if ws is None else replace(cfg, dkdv=ws)
+    if ws is None or min(seqlen_q or 0, seqlen_k or 0) < BWD_WS_MIN_KEYS[head_dim][causal]:
+        return cfg
+    return replace(cfg, dkdv=ws)
 
 
 @dataclass(frozen=True)

@@ -441,7 +441,8 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     else:
         delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
         cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, causal=causal,
-                                   ws_ok=ws_ok(do, q, k, v, mods) and not mods.varlen)
+                                   ws_ok=ws_ok(do, q, k, v, mods) and not mods.varlen, seqlen_q=sq,
+                                   seqlen_k=k.shape[1])
         if cfg.dkdv.gluon and not ws_ok(do, q, k, v, mods):
             raise ValueError("config: a gluon dK/dV tile runs only plain half-precision calls on sm_90 with equal "
                              "head dims and TMA-aligned q, k, v and do")

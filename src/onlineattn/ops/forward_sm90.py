@@ -105,7 +105,13 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_
 def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile):
     """Tile ``t`` -> (batch, q head, first row, key blocks). Causal: every head's bottom row tile (the most key
     blocks) comes first, so the tiles handed out last are the short ones; otherwise a head's row tiles are adjacent
-    (they share K and V in L2)."""
+    (they share K and V in L2). A program takes ``t = pid, pid + programs, ...`` (laps of ``programs`` tiles);
+    every odd full lap is taken in reverse (a snake), so under causal a program that took a longer tile of one lap
+    takes a shorter one of the next: the persistent programs end close together."""
+    programs = gl.num_programs(0)
+    lap = t // programs
+    mirror = (lap % 2 == 1) & ((lap + 1) * programs <= num_tiles)
+    t = gl.where(mirror, lap * programs + (programs - 1 - t % programs), t)
     num_m = gl.cdiv(seqlen_q, tile.BLOCK_M)
     if tile.CAUSAL:
         heads = num_tiles // num_m  # batch · q heads
