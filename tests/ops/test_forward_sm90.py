@@ -145,14 +145,50 @@ def test_long_and_strided_bf16(causal, table):
 
 
 def test_repeats_launch_a_kept_gluon_step(monkeypatch):
-    """A plain whole-batch call routed here is kept: later calls with the same metadata launch it again without the
-    routing checks (``ws_ok``), with their own tensors; another shape takes the full path."""
-    checks, launches = [], []
+    """A plain whole-batch call routed here is kept (its launch as a Relaunch): later calls with the same metadata
+    relaunch it with their own tensors (fresh descriptors around q, k, v), without the routing checks (``ws_ok``);
+    another shape, or a Relaunch that is not ready, takes the full path."""
+    checks, starts, relaunches = [], [], []
+    ready = [True]
+
+    class FakeRelaunch:
+        def __call__(self, grid, arrays):
+            relaunches.append((grid, arrays))
+            return ready[0]
+
+    def fake_start(keep, kernel, grid, n_arrays, *args, **kwargs):
+        starts.append((keep, grid, args[:n_arrays]))
+        return FakeRelaunch() if keep else None
+
     monkeypatch.setattr(F, "_STEPS", {})
     monkeypatch.setattr(F, "ws_ok", lambda *args: checks.append(1) or True)
-    monkeypatch.setattr(F.forward_sm90, "launch", lambda *args: launches.append(args))
-    for n in (8, 8, 8, 9):
+    monkeypatch.setattr(F.forward_sm90, "start", fake_start)
+    for n, expect_start in ((8, True), (8, False), (8, False), (9, True)):
         q, k, v = (torch.randn(1, n, 2, 128, dtype=torch.bfloat16) for _ in range(3))
         o, lse = F.forward(q, k, v, 0.1, False, config=_FWD_WS[False][128])
-        assert launches[-1][:5] == (q, k, v, o, lse) and launches[-1][5:] == (0.1, False, _FWD_WS[False][128])
-    assert len(launches) == 4 and len(checks) == 2  # the first call of each shape
+        keep, grid, arrays = starts[-1] if expect_start else (True, *relaunches[-1])
+        assert keep and grid == (2,)  # one 128-row tile per head
+        assert [a.base for a in arrays[:3]] == [q, k, v] and arrays[3] is o and arrays[4] is lse
+    assert len(starts) == 2 and len(relaunches) == 2 and len(checks) == 2  # the first call of each shape
+    ready[0] = False  # e.g. a new alignment: the Relaunch refuses, the call takes the full path (and keeps anew)
+    F.forward(q, k, v, 0.1, False, config=_FWD_WS[False][128])
+    assert len(relaunches) == 3 and len(starts) == 3 and len(checks) == 3
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
+def test_repeat_relaunches_bitwise(causal, persistent, monkeypatch):
+    """A plain call seen before relaunches the kept Gluon launch around fresh descriptors of new tensors, and gives
+    bitwise what the full path gave."""
+    monkeypatch.setattr(F, "_STEPS", {})
+    starts = []
+    start = F.forward_sm90.start
+    monkeypatch.setattr(F.forward_sm90, "start", lambda *a, **kw: starts.append(1) or start(*a, **kw))
+    q, k, v = _inputs(2, 300, 300, 4, 2, 128, 128, torch.bfloat16, seed=3, device="cuda")
+    cfg = replace(_FWD_WS[causal][128], persistent=persistent)
+    first = F.forward(q, k, v, 0.1, causal, config=cfg)
+    again = F.forward(q.clone(), k.clone(), v.clone(), 0.1, causal, config=cfg)
+    assert len(starts) == 1 and len(F._STEPS) == 1  # the second call was a repeat
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])

@@ -8,7 +8,7 @@ as ``run`` computes it. benchmarks/probe_launch.py ``check`` replays the same ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pytest
@@ -158,8 +158,9 @@ _SM90 = make_backend(GPUTarget("cuda", 90, 32))
 
 
 def _jit(kernel) -> JITFunction:
-    """The kernel as a JITFunction (under TRITON_INTERPRET=1 the decorator made an InterpretedFunction)."""
-    if type(kernel) is JITFunction:
+    """The kernel as a JITFunction (under TRITON_INTERPRET=1 the decorator made an InterpretedFunction); a Gluon
+    kernel as it is (Gluon has no interpreter)."""
+    if type(kernel) in _launch._KERNEL_TYPES:
         return kernel
     if kernel.fn not in _JIT:
         _JIT[kernel.fn] = JITFunction(kernel.fn)
@@ -262,6 +263,72 @@ def test_every_specialisation_splits_keys(recorded):
     # base's 16896, i32 % 16 == 0), 2^31 + 16 (as 2^31), window_left 0 and 16 (as the base's 0), the padding and
     # another base of the same dtype.
     assert len(ours_of) == len(calls) - 7
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Gluon kernels (forward_sm90, backward_sm90): the same checks on their launches, recorded on CPU tensors.
+
+
+def _gluon_calls(monkeypatch) -> list:
+    """(kernel, grid, args, kwargs) of the Gluon forward (both schedules) and dK/dV launches over dtypes, head dims,
+    masks, GQA groups (1 is a constexpr to Triton), odd lengths and o/lse/delta/dk/dv pointers off 16-byte alignment."""
+    from onlineattn.ops import backward_sm90, forward_sm90
+    from onlineattn.ops._configs import _BWD_WS_DKDV, _FWD_WS
+
+    calls = []
+
+    def record(keep, kernel, grid, n_arrays, *args, **kwargs):
+        calls.append((kernel, grid, args, kwargs))
+
+    monkeypatch.setattr(forward_sm90, "start", record)
+    monkeypatch.setattr(backward_sm90, "start", record)
+    shapes = ((2, 300, 300, 8, 2), (1, 256, 1024, 4, 4), (1, 17, 40, 2, 1))  # b, sq, sk, hq, hkv
+    for dtype in (torch.bfloat16, torch.float16):
+        for d in (64, 128):
+            for causal in (False, True):
+                for i, (b, sq, sk, hq, hkv) in enumerate(shapes):
+                    case = Case(dtype=dtype, offset=8 * (i == 0) + (i == 1))  # outputs: aligned, or 2 bytes off
+                    q, do = (torch.randn(b, sq, hq, d, dtype=dtype) for _ in range(2))
+                    k, v = (torch.randn(b, sk, hkv, d, dtype=dtype) for _ in range(2))
+                    o, dk, dv = _tensor(case, q.shape, "cpu", 0), _tensor(case, k.shape, "cpu", 1), \
+                        _tensor(case, k.shape, "cpu", 2)
+                    lse, delta = (torch.randn(b * hq * sq + case.offset)[case.offset:].view(b, hq, sq)
+                                  for _ in range(2))
+                    tile = _FWD_WS[causal][d]
+                    for cfg in (tile, replace(tile, persistent=not tile.persistent)):
+                        forward_sm90.launch(q, k, v, o, lse, 0.1, causal, cfg)
+                    backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, 0.1, causal, _BWD_WS_DKDV[d])
+    return calls
+
+
+def test_gluon_launches_bind_as_run_and_key_as_triton(monkeypatch):
+    """Each Gluon launch is one the cache keeps, binds as ``run`` would, and one key never stands for two Triton keys;
+    the cases reach Gluon's descriptor specialisation (its shared-memory layout) in both dtypes."""
+    calls = _gluon_calls(monkeypatch)
+    rows = _keys(calls)
+    assert {name for name, _, _ in rows} == {"attention_fwd_sm90_kernel", "attention_bwd_dkdv_sm90_kernel"}
+    triton_of = {}
+    for name, key, triton_key in rows:
+        assert triton_of.setdefault((name, key), triton_key) == triton_key, f"{name}: one key, two Triton keys"
+    specs = " ".join(triton_of.values())
+    for kind in ("tensordesc<bf16[1, 128, 1, 128],NVMMASharedLayout", "tensordesc<fp16[1, 64, 1, 64],NVMMASharedLayout",
+                 "('*fp32', 'D')", "('*fp32', '')", "('*bf16', '')", "('constexpr', 1)"):
+        assert kind in specs, f"no case reaches the specialisation {kind}"
+
+
+def test_gluon_descriptor_layout_splits_keys(monkeypatch):
+    """Two Gluon descriptors alike but for their shared-memory layout specialise apart in Triton: so do our keys."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    kernel, grid, args, kwargs = _gluon_calls(monkeypatch)[0]
+    q_desc = args[0]
+    other = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=16, rank=4)
+    assert other != q_desc.layout
+    moved = GluonDescriptor(q_desc.base, q_desc.shape, q_desc.strides, q_desc.block_shape, other)
+    keys = [_launch.bind(kernel, a, kwargs)[2] for a in (args, (moved, *args[1:]))]
+    triton_keys = [triton_bind(kernel, a, kwargs)[1] for a in (args, (moved, *args[1:]))]
+    assert triton_keys[0] != triton_keys[1] and keys[0] != keys[1]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -80,12 +80,16 @@ _FWD_LONG = {causal: {d: replace(cfg, pipeline=True) for d, cfg in table.items()
 #   468 / 535 / 611 per tile and 364 / 427 / 458 / 511 Triton; d = 64: 332 / 393 / 426 / 459 against 223 / 335 /
 #   392 / 457 and 315 / 366 / 389 / 414. So non-causal launches take it from N = 512 at both head dims.
 #   Causal d = 128 N = 1024 / 2048 / 4096 / 8192 / 16384: persistent 308 / 397 / 451 / 513 / 557, per tile 297 / 379
-#   / 471 / 508 / 587, Triton 347 / 405 / 452 / 476 / 502: one program per tile (the hardware hands the next tile to
-#   whichever SM frees first) from 4096. Causal d = 64 N = 2048 / 4096 / 16384: persistent 333 / 370 / 430, per tile
-#   302 / 354 / 399, Triton 353 / 369 / 408: persistent, from 16384 (4096 tied).
+#   / 471 / 508 / 587, Triton 347 / 405 / 452 / 476 / 502. Those per-tile numbers sat below the 2-D grid kernel's
+#   rows of f0fdff6 (438 / 507 / 551 / 601 at 2048 / 4096 / 8192 / 16384): the 1-D grid had interleaved the heads'
+#   row tiles (bottom tiles of every head first), so the K/V of many heads competed for L2. Head-major order (each
+#   head's tiles adjacent, bottom first) restored them (.devrun/c4.sh): per tile 435 / 496 / 534 / 601 at 2048 /
+#   4096 / 8192 / 16384 (Triton 432 / 451 / 476 / 524, cuDNN 487 / 527 / 546 / 574); persistent fell to 428 / 463 /
+#   487 / 429 (cause not established). d = 64 causal N = 4096 / 16384: per tile 378 / 445, persistent 400 / 437,
+#   Triton 380 / 402. So causal launches take one program per tile, from 4096 at d = 128 and 16384 at d = 64.
 _WS_TILE = FwdConfig(128, 128, 4, 3, tma=True, gluon=True)
 _FWD_WS = {False: {64: replace(_WS_TILE, persistent=True), 128: replace(_WS_TILE, persistent=True)},
-           True: {64: replace(_WS_TILE, persistent=True), 128: _WS_TILE}}
+           True: {64: _WS_TILE, 128: _WS_TILE}}
 WS_MIN_KEYS = {64: (512, 16384), 128: (512, 4096)}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 (above)
 

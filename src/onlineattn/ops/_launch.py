@@ -8,13 +8,16 @@ that kernel's launcher, as ``run`` would.
 
 The key refines Triton's: for every argument its type, and
 - tensors: dtype and whether ``data_ptr()`` is 16-byte aligned (Triton's pointer specialisation);
-- tensor descriptors: the base's dtype, the block shape and the padding (Triton's ``tensordesc<dtype[block]>``);
+- tensor descriptors: the base's dtype, the block shape and the padding (Triton's ``tensordesc<dtype[block]>``), and a
+  Gluon descriptor's shared-memory layout (Gluon's ``tensordesc<dtype[block],layout>``);
 - anything else (ints, floats, bools, None, strings): the value itself, which covers ``== 1``, ``% 16 == 0``, the
   int32/int64/uint64 range and every constexpr;
 plus the launch options (``num_warps``...), the current device, and the knobs ``run`` folds into its options
 (``debug``, ``instrumentation_mode``). Equal keys therefore mean equal Triton cache keys, so the same compiled kernel
 (tests/ops/test_launch.py checks this against Triton's binder). The key is finer than Triton's (it holds shapes and
 strides), so a new shape costs one ordinary call.
+
+Gluon kernels (``GluonJITFunction``, a ``JITFunction`` whose ``run`` is the same) are kept alike.
 
 Everything unusual takes the ordinary path, every call: the interpreter (``TRITON_INTERPRET=1`` makes kernels
 ``InterpretedFunction``), a launch hook or pre-run hook installed, a parameter left to its default, an argument of a
@@ -35,10 +38,18 @@ from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+try:  # Gluon as triton 3.6 has it (ops/forward_sm90.py, backward_sm90.py)
+    from triton.experimental.gluon._runtime import GluonJITFunction
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:  # pragma: no cover - other Triton versions
+    GluonJITFunction = GluonTensorDescriptor = None
+
 _VALUE_TYPES = frozenset({int, float, bool, str, type(None)})  # hashable and keyed by value
 # Exact types only: another tensor or descriptor subclass may specialise differently, so it takes run().
 _TENSOR_TYPES = frozenset({torch.Tensor, torch.nn.Parameter})
-_KEYED_TYPES = _VALUE_TYPES | _TENSOR_TYPES | {TensorDescriptor}
+_DESCRIPTOR_TYPES = frozenset({TensorDescriptor, GluonTensorDescriptor} - {None})
+_KERNEL_TYPES = frozenset({JITFunction, GluonJITFunction} - {None})
+_KEYED_TYPES = _VALUE_TYPES | _TENSOR_TYPES | _DESCRIPTOR_TYPES
 # ONLINEATTN_LAUNCH_CACHE=0 (or false/off/no) turns the cache off (every launch through run()), for A/B timing and
 # as an escape hatch. The hit path calls CompiledKernel.run with Triton 3.6's private argument order, so any other
 # Triton version takes run() every call.
@@ -56,8 +67,8 @@ class _Layout:
         positions = lambda kinds: [i for i, t in enumerate(types) if t in kinds]  # noqa: E731
         self.values = _getter(positions(_VALUE_TYPES))
         self.tensors = _getter(positions(_TENSOR_TYPES))
-        self.array_positions = tuple(positions(_TENSOR_TYPES | {TensorDescriptor}))  # what a Relaunch may swap
-        self.descriptors = _getter(positions({TensorDescriptor}))
+        self.array_positions = tuple(positions(_TENSOR_TYPES | _DESCRIPTOR_TYPES))  # what a Relaunch may swap
+        self.descriptors = _getter(positions(_DESCRIPTOR_TYPES))
 
 
 class _Kernel:
@@ -113,7 +124,7 @@ def _idle(hook) -> bool:
 def bind(kernel, args: tuple, kwargs: dict):
     """``(state, bound, key)``: the call's arguments in ``run``'s bound order and the cache key, or None where the
     call is one this cache leaves to ``run``. The key omits the device and the knobs (``launch`` adds them)."""
-    if type(kernel) is not JITFunction or kernel.pre_run_hooks:
+    if type(kernel) not in _KERNEL_TYPES or kernel.pre_run_hooks:
         return None
     state = _kernels.get(id(kernel))
     if state is None:
@@ -128,7 +139,7 @@ def bind(kernel, args: tuple, kwargs: dict):
     if layout is None:
         return None
     tensors = tuple([(x.dtype, x.data_ptr() % 16 == 0) for x in layout.tensors(bound)])
-    descriptors = tuple([(d.base.dtype, tuple(d.block_shape), d.padding) for d in layout.descriptors(bound)])
+    descriptors = tuple([_descriptor_key(d) for d in layout.descriptors(bound)])
     # The layout stands for the types (one layout per tuple of types, per kernel) and hashes by id: cheaper than them.
     key = (layout, layout.values(bound), tensors, descriptors, option_names, options(kwargs))
     return state, bound, key
@@ -208,8 +219,8 @@ class Relaunch:
     def __init__(self, kernel, compiled, arrays: tuple, rest: tuple, device, knob_values: tuple, options: dict):
         self.kernel, self.compiled, self.rest = kernel, compiled, rest
         self.types = tuple(map(type, arrays))
-        self.tensor_at = _getter([i for i, t in enumerate(self.types) if t is not TensorDescriptor])
-        self.descriptor_at = [i for i, t in enumerate(self.types) if t is TensorDescriptor]
+        self.tensor_at = _getter([i for i, t in enumerate(self.types) if t not in _DESCRIPTOR_TYPES])
+        self.descriptor_at = [i for i, t in enumerate(self.types) if t in _DESCRIPTOR_TYPES]
         self.aligned = _aligned(self.tensor_at(arrays))
         self.descriptor_keys = _descriptor_keys(arrays, self.descriptor_at)
         self.device, self.knobs = device, knob_values
@@ -242,9 +253,14 @@ def _aligned(tensors) -> tuple:
     return tuple([x.data_ptr() % 16 == 0 for x in tensors])
 
 
+def _descriptor_key(d) -> tuple:
+    """What Triton specialises a tensor descriptor on: base dtype, block shape, padding; a Gluon one, its layout too
+    (a hashable frozen value)."""
+    return d.base.dtype, tuple(d.block_shape), d.padding, getattr(d, "layout", None)
+
+
 def _descriptor_keys(arrays: tuple, positions: list) -> tuple:
-    """What Triton specialises a tensor descriptor on (as ``bind``'s key): base dtype, block shape, padding."""
-    return tuple([(arrays[i].base.dtype, tuple(arrays[i].block_shape), arrays[i].padding) for i in positions])
+    return tuple([_descriptor_key(arrays[i]) for i in positions])
 
 
 def prepare(kernel, grid: tuple, n_arrays: int, *args, **kwargs):

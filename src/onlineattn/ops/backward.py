@@ -537,15 +537,14 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     variants = variant_args(mods, causal, scale, b, hq, sq, sk)
     scalars = (sq, sk, hkv, scale * LOG2E, scale)
     t = cfg.dkdv
-    q_arg, do_arg = q, do
-    if tma_rows:
-        q_arg = descriptor(q, t.block_m // group, group, block_d)
-        do_arg = descriptor(do, t.block_m // group, group, block_dv)
-    grid_dkdv = (cdiv(sk, t.block_n), b * hkv)
-    if t.gluon:  # not kept: a repeat takes the full path (the Gluon launch has no Relaunch)
-        backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t)
-        dkdv = None
+    if t.gluon:
+        grid_dkdv, dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep)
     else:
+        q_arg, do_arg = q, do
+        if tma_rows:
+            q_arg = descriptor(q, t.block_m // group, group, block_d)
+            do_arg = descriptor(do, t.block_m // group, group, block_dv)
+        grid_dkdv = (cdiv(sk, t.block_n), b * hkv)
         dkdv = start(
             keep, attention_bwd_dkdv_kernel, grid_dkdv, 8,
             q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
@@ -614,7 +613,7 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> boo
     group = hq // hkv
     block_d, block_dv = max(16, next_power_of_2(d)), max(16, next_power_of_2(dv_dim))
     q_arg, do_arg, k_arg, v_arg = q, do, k, v
-    if step.tma_rows:
+    if step.tma_rows and not step.cfg.dkdv.gluon:
         rows = step.cfg.dkdv.block_m // group
         q_arg, do_arg = descriptor(q, rows, group, block_d), descriptor(do, rows, group, block_dv)
     if step.tma_keys:
@@ -623,7 +622,10 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> boo
     (grid_pre, pre), (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.pre, step.dkdv, step.dq
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     arrays_pre = (o, do, lse if dlse is None else dlse, delta)
-    arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
+    if step.cfg.dkdv.gluon:
+        arrays_dkdv = (*backward_sm90.descriptors(q, k, v, do, step.cfg.dkdv), lse, delta, dk, dv)
+    else:
+        arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
     arrays_dq = (q, k_arg, v_arg, do, lse, delta, dq)
     if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and dq_kernel.ready(arrays_dq)):
         return False

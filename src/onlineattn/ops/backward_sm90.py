@@ -22,12 +22,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from ._common import LOG2E
-from ._launch import cdiv
-from .forward_sm90 import _shared_layout
+from ._launch import cdiv, start
+from .forward_sm90 import descriptor
 
 KEYS_PER_WARPGROUP = 64
 
@@ -193,24 +192,31 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
     gl.store(p_dv + cols[None, :], dv.to(DV.dtype.element_ty), mask=keep)
 
 
-def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile) -> None:
+def descriptors(q, k, v, do, tile) -> tuple:
+    """Q's, K's, V's and dO's descriptors for ``tile``: a row tile of one head, a key block of one kv head."""
+    d = q.shape[-1]
+    rows_block, keys_block = (1, tile.block_m, 1, d), (1, tile.block_n, 1, d)
+    return descriptor(q, rows_block), descriptor(k, keys_block), descriptor(v, keys_block), descriptor(do, rows_block)
+
+
+def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False):
     """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
-    and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous)."""
+    and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous).
+    Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept for repeats with new arrays
+    (``descriptors(q, k, v, do, tile), lse, delta, dk, dv``)."""
     if tile.block_m != KEYS_PER_WARPGROUP or tile.block_n != 2 * KEYS_PER_WARPGROUP or tile.num_warps != 4:
         raise ValueError(f"config: the Hopper dK/dV kernel runs 128 keys over two 4-warp warpgroups and 64-row "
                          f"tiles, not {tile}")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    rows_block, keys_block = (1, tile.block_m, 1, d), (1, tile.block_n, 1, d)
-    q_desc = TensorDescriptor.from_tensor(q, list(rows_block), _shared_layout(rows_block, q.dtype))
-    do_desc = TensorDescriptor.from_tensor(do, list(rows_block), _shared_layout(rows_block, do.dtype))
-    k_desc = TensorDescriptor.from_tensor(k, list(keys_block), _shared_layout(keys_block, k.dtype))
-    v_desc = TensorDescriptor.from_tensor(v, list(keys_block), _shared_layout(keys_block, v.dtype))
     grid = (cdiv(sk, tile.block_n), b * hkv)
-    attention_bwd_dkdv_sm90_kernel[grid](
+    q_desc, k_desc, v_desc, do_desc = descriptors(q, k, v, do, tile)
+    kept = start(
+        keep, attention_bwd_dkdv_sm90_kernel, grid, 8,
         q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, lse.stride(0), lse.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         sq, sk, hkv, scale * LOG2E, scale,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
         GROUP=hq // hkv, num_warps=4,
     )
+    return grid, kept

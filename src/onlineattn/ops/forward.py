@@ -327,9 +327,10 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
             raise ValueError("config: a gluon tile runs only plain half-precision calls on sm_90 with equal head dims, "
                              "a positive scale and TMA-aligned q, k and v")
         check_int32_offsets(o=o, lse=lse)  # the kernel's offsets within a batch entry are int32 (Q, K, V go by TMA)
-        forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg)  # one-dimensional grid of tiles: no batch slices
-        if mods is PLAIN and launch_cache.enabled:  # kept: a repeat skips the routing above (_repeat)
-            _remember(_step_key(q, k, v, o, lse, scale, causal, config), (cfg, False, None, None))
+        keep = mods is PLAIN and launch_cache.enabled  # kept: a repeat skips the routing above (_repeat)
+        grid, kept = forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg, keep=keep)  # 1-D grid: no batch slices
+        if keep:
+            _remember(_step_key(q, k, v, o, lse, scale, causal, config), (cfg, True, grid, kept))
         return o, lse
     use_tma = cfg.tma and tma_ok
     if mods.varlen:  # one launch over packed [1, total, H, D] views; each program finds its sequence
@@ -419,7 +420,7 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
 # (``Relaunch``) and rebuilds K's and V's descriptors around them. Where the relaunch declines (a hook set, an
 # alignment changed...), nothing is launched and the call takes the full path, which keeps a fresh launch.
 
-_STEPS: dict = {}  # metadata -> (tile, descriptor use, grid, Relaunch or None); a gluon tile keeps only itself
+_STEPS: dict = {}  # metadata -> (tile, descriptor use, grid, Relaunch or None)
 _MAX_STEPS = 256  # shapes a process sees are few; past this the table starts over
 
 
@@ -440,12 +441,11 @@ def _remember(key, step) -> None:
 def _repeat(q, k, v, o, lse, scale, causal, config) -> bool:
     """Launch a plain forward seen before through its kept launch; False (nothing launched) where there is none."""
     step = _STEPS.get(_step_key(q, k, v, o, lse, scale, causal, config))
-    if step is not None and step[0].gluon:  # the key holds all that routed it there (device, dtypes, alignment...)
-        forward_sm90.launch(q, k, v, o, lse, scale, causal, step[0])
-        return True
     if step is None or step[3] is None:
         return False
     cfg, use_tma, grid, relaunch = step
+    if cfg.gluon:  # the key holds all that routed it there (device, dtypes, alignment...)
+        return relaunch(grid, (*forward_sm90.descriptors(q, k, v, cfg), o, lse))
     k_arg, v_arg = _kv_descriptors(k, v, cfg) if use_tma else (k, v)
     return relaunch(grid, (q, k_arg, v_arg, o, lse))
 

@@ -26,7 +26,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from ._common import LOG2E
-from ._launch import cdiv
+from ._launch import cdiv, start
 
 ROWS_PER_WARPGROUP = 64
 
@@ -103,23 +103,21 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_
 
 @gluon.jit
 def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile):
-    """Tile ``t`` -> (batch, q head, first row, key blocks). Causal: every head's bottom row tile (the most key
-    blocks) comes first, so the tiles handed out last are the short ones; otherwise a head's row tiles are adjacent
-    (they share K and V in L2). A program takes ``t = pid, pid + programs, ...`` (laps of ``programs`` tiles);
-    every odd full lap is taken in reverse (a snake), so under causal a program that took a longer tile of one lap
-    takes a shorter one of the next: the persistent programs end close together."""
+    """Tile ``t`` -> (batch, q head, first row, key blocks). A head's row tiles are adjacent (they share K and V in L2:
+    interleaving the heads instead cost 2-5 % causal at N >= 4096, session 19); under causal they come bottom first (the
+    most key blocks), so the tiles handed out last are the short ones. A program takes ``t = pid, pid + programs,
+    ...`` (laps of ``programs`` tiles); every odd full lap is taken in reverse (a snake), so under causal a program
+    that took a longer tile of one lap takes a shorter one of the next (even so, persistent causal launches measured
+    slower than one program per tile, which the table uses: _configs.py)."""
     programs = gl.num_programs(0)
     lap = t // programs
     mirror = (lap % 2 == 1) & ((lap + 1) * programs <= num_tiles)
     t = gl.where(mirror, lap * programs + (programs - 1 - t % programs), t)
     num_m = gl.cdiv(seqlen_q, tile.BLOCK_M)
+    pid_m = t % num_m
     if tile.CAUSAL:
-        heads = num_tiles // num_m  # batch · q heads
-        pid_m = num_m - 1 - t // heads
-        pid_bh = t % heads
-    else:
-        pid_m = t % num_m
-        pid_bh = t // num_m
+        pid_m = num_m - 1 - pid_m
+    pid_bh = t // num_m
     m0 = pid_m * tile.BLOCK_M
     hi = seqlen_k
     if tile.CAUSAL:  # bottom-right diagonal: row i sees keys j <= i + Sk - Sq
@@ -288,26 +286,35 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def launch(q, k, v, o, lse, scale: float, causal: bool, cfg) -> None:
+def descriptor(x, block: tuple) -> TensorDescriptor:
+    """A Gluon TMA descriptor of ``x`` with box ``block`` (the kernels' shared-memory layout for it)."""
+    return TensorDescriptor.from_tensor(x, list(block), _shared_layout(block, x.dtype))
+
+
+def descriptors(q, k, v, cfg) -> tuple:
+    """Q's, K's and V's descriptors for tile ``cfg``: one 128-row box of one head, one key block of one head."""
+    rows_block, keys_block = (1, cfg.block_m, 1, q.shape[-1]), (1, cfg.block_n, 1, q.shape[-1])
+    return descriptor(q, rows_block), descriptor(k, keys_block), descriptor(v, keys_block)
+
+
+def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False):
     """``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]`` (checked by the caller: what ``forward.py`` routes here),
     into ``o [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (last dims contiguous). A ``persistent`` tile launches one
-    program per SM, each looping over tiles; otherwise one program per tile."""
+    program per SM, each looping over tiles; otherwise one program per tile. Returns ``(grid, Relaunch or None)``:
+    with ``keep``, the launch kept for repeats with new arrays (``descriptors(q, k, v, cfg), o, lse``)."""
     if cfg.block_m != 2 * ROWS_PER_WARPGROUP or cfg.num_warps != 4:
         raise ValueError(f"config: the Hopper kernel runs 128-row tiles over two 4-warp warpgroups, not {cfg}")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    q_block, kv_block = (1, cfg.block_m, 1, d), (1, cfg.block_n, 1, d)
-    q_desc = TensorDescriptor.from_tensor(q, list(q_block), _shared_layout(q_block, q.dtype))
-    k_desc = TensorDescriptor.from_tensor(k, list(kv_block), _shared_layout(kv_block, k.dtype))
-    v_desc = TensorDescriptor.from_tensor(v, list(kv_block), _shared_layout(kv_block, v.dtype))
     num_tiles = cdiv(sq, cfg.block_m) * b * hq
     grid = (min(num_tiles, _sm_count(q.device)) if cfg.persistent else num_tiles,)
-    attention_fwd_sm90_kernel[grid](
-        q_desc, k_desc, v_desc, o, lse, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+    kept = start(
+        keep, attention_fwd_sm90_kernel, grid, 5,
+        *descriptors(q, k, v, cfg), o, lse, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
         sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=causal,
-        num_warps=4,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=causal, num_warps=4,
     )
+    return grid, kept
 
 
 @functools.cache
