@@ -90,11 +90,18 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
     fence_async_shared()
 
-    # Partition arguments must be IR values: an int argument equal to 1 arrives as a constexpr, so scalars that can
-    # be 1 are made tensors.
+    # Partition arguments must be IR values: an int argument equal to 1 arrives as a constexpr (lse's batch stride is
+    # 1 when Hq · Sq = 1), so every int a partition takes is made a tensor.
     seqlen_q = gl.to_tensor(seqlen_q)
     seqlen_k = gl.to_tensor(seqlen_k)
+    stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
+    stride_dkb = gl.to_tensor(stride_dkb)
+    stride_dks = gl.to_tensor(stride_dks)
+    stride_dkh = gl.to_tensor(stride_dkh)
+    stride_dvb = gl.to_tensor(stride_dvb)
+    stride_dvs = gl.to_tensor(stride_dvs)
+    stride_dvh = gl.to_tensor(stride_dvh)
     smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty)
     where = (off_b, off_hkv, n0, lo, row_tiles, seqlen_q)
     consumer = smem + where + (DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
@@ -207,6 +214,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     if tile.block_m != KEYS_PER_WARPGROUP or tile.block_n != 2 * KEYS_PER_WARPGROUP or tile.num_warps != 4:
         raise ValueError(f"config: the Hopper dK/dV kernel runs 128 keys over two 4-warp warpgroups and 64-row "
                          f"tiles, not {tile}")
+    if delta.stride() != lse.stride():
+        raise ValueError(f"delta: the kernel reads it with lse's strides {lse.stride()}, not {delta.stride()}")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     grid = (cdiv(sk, tile.block_n), b * hkv)
