@@ -499,3 +499,14 @@ def test_relaunch_refuses_what_could_specialise_otherwise(fake_decode, monkeypat
 def test_prepare_needs_leading_tensors(fake_decode):
     jit, grid, args, kwargs, runs, compiled = fake_decode
     assert _launch.prepare(jit, grid, 8, *args, **kwargs) is None  # the ninth argument is a tensor too
+
+
+def test_bounded_put_starts_over_when_full():
+    table = {}
+    for i in range(3):
+        assert _launch.bounded_put(table, i, str(i), 3) == str(i)
+    assert table == {0: "0", 1: "1", 2: "2"}
+    _launch.bounded_put(table, 3, "3", 3)  # full: emptied, then the new entry
+    assert table == {3: "3"}
+    _launch.bounded_put(table, 3, "x", 1)  # at the limit even for a key it holds
+    assert table == {3: "x"}

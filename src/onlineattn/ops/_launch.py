@@ -286,6 +286,15 @@ def start(keep: bool, kernel, grid: tuple, n_arrays: int, *args, **kwargs):
     return None
 
 
+def bounded_put(table: dict, key, value, limit: int):
+    """``table[key] = value``, emptying the table first where it already holds ``limit`` entries: the per-metadata
+    tables of kept launches (shapes a process sees are few; a stream of new ones must not grow them). Returns value."""
+    if len(table) >= limit:
+        table.clear()
+    table[key] = value
+    return value
+
+
 _MISSING = object()
 _CUDA_TARGET: dict = {}  # device -> whether its backend is "cuda"
 

@@ -43,7 +43,7 @@ from ._common import (
     LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, row_tile, sequence_bounds,
 )
 from ._configs import bwd_config
-from ._launch import cdiv, next_power_of_2, start
+from ._launch import bounded_put, cdiv, next_power_of_2, start
 from .forward import (
     KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, descriptor, variant_args,
 )
@@ -440,10 +440,10 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
         delta = (do.float() * o.float()).sum(-1).transpose(1, 2) - (0 if dlse is None else dlse)
     else:
         delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
+        hopper = ws_ok(do, q, k, v, mods)
         cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, causal=causal,
-                                   ws_ok=ws_ok(do, q, k, v, mods) and not mods.varlen, seqlen_q=sq,
-                                   seqlen_k=k.shape[1])
-        if cfg.dkdv.gluon and not ws_ok(do, q, k, v, mods):
+                                   ws_ok=hopper and not mods.varlen, seqlen_q=sq, seqlen_k=k.shape[1])
+        if cfg.dkdv.gluon and not hopper:
             raise ValueError("config: a gluon dK/dV tile runs only plain half-precision calls on sm_90 with equal "
                              "head dims and TMA-aligned q, k, v and do")
         if cfg.dq.split_scores:  # measured slower at every tile tried (NOTES v8), so the dQ kernel has no branch
@@ -597,9 +597,7 @@ def _step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config):
 
 
 def _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config, step: _Step) -> None:
-    if len(_STEPS) >= _MAX_STEPS:
-        _STEPS.clear()
-    _STEPS[_step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config)] = step
+    bounded_put(_STEPS, _step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config), step, _MAX_STEPS)
 
 
 def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> bool:

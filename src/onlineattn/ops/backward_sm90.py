@@ -15,43 +15,18 @@ delta pass and dQ kernel this one runs beside. Plain attention only: float16/bfl
 TMA-able strides, ``backward.py`` routes a launch here when ``bwd_config`` picks a ``gluon`` dK/dV tile.
 """
 
-# No ``from __future__ import annotations``: the aggregate below reads its field annotations as types.
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
-from triton.language.core import _aggregate as aggregate
 
 from ._common import LOG2E
 from ._launch import cdiv, start
-from .forward_sm90 import descriptor
+from .forward_sm90 import Tile, descriptor
 
 KEYS_PER_WARPGROUP = 64
-
-
-@aggregate
-class _Tile:
-    """The compile-time shape a partition needs (``warp_specialize`` flattens partition arguments into IR values)."""
-
-    WG: gl.constexpr
-    BLOCK_M: gl.constexpr
-    BLOCK_N: gl.constexpr
-    HEAD_DIM: gl.constexpr
-    STAGES: gl.constexpr
-    CAUSAL: gl.constexpr
-    GROUP: gl.constexpr
-
-    @gluon.constexpr_function
-    def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP):
-        self.WG = gl.constexpr(WG)
-        self.BLOCK_M = gl.constexpr(BLOCK_M)
-        self.BLOCK_N = gl.constexpr(BLOCK_N)
-        self.HEAD_DIM = gl.constexpr(HEAD_DIM)
-        self.STAGES = gl.constexpr(STAGES)
-        self.CAUSAL = gl.constexpr(CAUSAL)
-        self.GROUP = gl.constexpr(GROUP)
 
 
 @gluon.jit
@@ -107,10 +82,10 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     consumer = smem + where + (DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
                                seqlen_k, qk_scale, sm_scale)
     gl.warp_specialize([
-        (_consumer, consumer + (_Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
-        (_consumer, consumer + (_Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
+        (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
+        (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
         (_producer, (q_desc, k_desc, v_desc, do_desc) + smem + where
-         + (LSE, DELTA, stride_lb, stride_lh, _Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP))),
+         + (LSE, DELTA, stride_lb, stride_lh, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP))),
     ], [4, 1], [240, 24])
 
 

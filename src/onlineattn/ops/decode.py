@@ -36,7 +36,7 @@ from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
                       page_and_slot, row_tile)
 from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_num_splits
-from ._launch import cdiv, next_power_of_2, prepare
+from ._launch import bounded_put, cdiv, next_power_of_2, prepare
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
 
 
@@ -311,15 +311,11 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     key = (meta_key, causal, scale, lse is not None, num_splits, config)
     step = _STEPS.get(key)
     if step is None:
-        if len(_STEPS) >= _MAX_STEPS:
-            _STEPS.clear()
-        step = _STEPS[key] = _Step()
+        step = bounded_put(_STEPS, key, _Step(), _MAX_STEPS)
     choice = step.lengths.get(longest)
     if choice is None:
-        if len(step.lengths) >= _MAX_LENGTHS:
-            step.lengths.clear()
-        choice = step.lengths[longest] = _choose(step, q, k_cache, v_cache, block_table, causal, longest, num_splits,
-                                                 config)
+        choice = bounded_put(step.lengths, longest, _choose(step, q, k_cache, v_cache, block_table, causal, longest,
+                                                            num_splits, config), _MAX_LENGTHS)
     cfg, plan, splits = choice
     if splits > 1:
         tiles = plan.grid_bh * splits * sq * (hq // hkv)

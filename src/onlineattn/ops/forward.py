@@ -29,7 +29,7 @@ from ._common import (
     tile_order, visible,
 )
 from ._configs import fwd_config
-from ._launch import cdiv, next_power_of_2, start
+from ._launch import bounded_put, cdiv, next_power_of_2, start
 
 
 @triton.jit
@@ -331,7 +331,7 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
         keep = mods is PLAIN and launch_cache.enabled  # kept: a repeat skips the routing above (_repeat)
         grid, kept = forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg, keep=keep)  # 1-D grid: no batch slices
         if keep:
-            _remember(_step_key(q, k, v, o, lse, scale, causal, config), (cfg, True, grid, kept))
+            bounded_put(_STEPS, _step_key(q, k, v, o, lse, scale, causal, config), (cfg, True, grid, kept), _MAX_STEPS)
         return o, lse
     use_tma = cfg.tma and tma_ok
     if mods.varlen:  # one launch over packed [1, total, H, D] views; each program finds its sequence
@@ -347,7 +347,8 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
             keep = mods is PLAIN and launch_cache.enabled  # a plain call is kept for its repeats (_repeat)
             kept = _launch(q, k, v, o, lse, scale, causal, cfg, use_tma, mods, keep=keep)
             if keep:
-                _remember(_step_key(q, k, v, o, lse, scale, causal, config), (cfg, use_tma, *kept))
+                key = _step_key(q, k, v, o, lse, scale, causal, config)
+                bounded_put(_STEPS, key, (cfg, use_tma, *kept), _MAX_STEPS)
         else:
             _launch(q[batch], k[batch], v[batch], o[batch], lse[batch], scale, causal, cfg, use_tma,
                     mods.batch_slice(batch))
@@ -432,12 +433,6 @@ def _step_key(q, k, v, o, lse, scale, causal, config):
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
             lse.stride(), q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype, q.device, scale, type(scale), causal,
             type(causal), config, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
-
-
-def _remember(key, step) -> None:
-    if len(_STEPS) >= _MAX_STEPS:
-        _STEPS.clear()
-    _STEPS[key] = step
 
 
 def _repeat(q, k, v, o, lse, scale, causal, config) -> bool:

@@ -34,9 +34,9 @@ HEAD_DIMS = (64, 128)  # what the kernels here (and backward_sm90.py) are built 
 
 
 @aggregate
-class _Tile:
-    """The compile-time shape a partition needs. ``warp_specialize`` flattens partition arguments into IR values, so
-    constexprs travel inside an aggregate's type."""
+class Tile:
+    """The compile-time shape a partition needs (this kernel's and backward_sm90.py's). ``warp_specialize`` flattens
+    partition arguments into IR values, so constexprs travel inside an aggregate's type."""
 
     WG: gl.constexpr  # which consumer warpgroup (0 or 1); unused by the producer
     BLOCK_M: gl.constexpr
@@ -44,15 +44,17 @@ class _Tile:
     HEAD_DIM: gl.constexpr
     STAGES: gl.constexpr
     CAUSAL: gl.constexpr
+    GROUP: gl.constexpr  # query heads per kv head where it is a constant (the dK/dV kernel); the forward's is not: 1
 
     @gluon.constexpr_function
-    def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL):
+    def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
         self.HEAD_DIM = gl.constexpr(HEAD_DIM)
         self.STAGES = gl.constexpr(STAGES)
         self.CAUSAL = gl.constexpr(CAUSAL)
+        self.GROUP = gl.constexpr(GROUP)
 
 
 @gluon.jit
@@ -96,10 +98,10 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_
     shape = (seqlen_q, seqlen_k, heads_q, num_tiles)
     consumer = smem + shape + (O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale)
     gl.warp_specialize([
-        (_consumer, consumer + (_Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL),)),
-        (_consumer, consumer + (_Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL),)),
+        (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL),)),
+        (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL),)),
         (_producer, (q_desc, k_desc, v_desc) + smem + shape + (group,
-                                                               _Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL))),
+                                                               Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL))),
     ], [4, 1], [240, 24])
 
 
