@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from onlineattn import reference as R
+from onlineattn._mods import PLAIN
 from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import _BWD_WS_DKDV, BWD_WS_MIN_KEYS, bwd_config
@@ -148,3 +149,16 @@ def test_repeat_relaunches_bitwise(causal, monkeypatch):
     assert len(starts) == 1 and len(B._STEPS) == 1  # the second call was a repeat
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+
+
+@gpu
+@sm90
+def test_d256_gluon_tile_is_refused():
+    """The forward's Hopper kernel runs d = 256, the dK/dV kernel does not (backward_sm90.HEAD_DIMS): the table keeps
+    the Triton tiles there and an explicit gluon tile raises, never launches."""
+    q, k, v, do = (torch.randn(1, 600, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    assert not B.ws_ok(do, q, k, v, PLAIN)
+    o, lse = F.forward(q, k, v, 0.1, False)
+    cfg = replace(bwd_config(256, 256, torch.bfloat16, "cuda"), dkdv=_BWD_WS_DKDV[128])
+    with pytest.raises(ValueError, match="config"):
+        B.backward(do, q, k, v, o, lse, 0.1, False, config=cfg)

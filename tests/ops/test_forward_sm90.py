@@ -22,12 +22,12 @@ sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_devi
 gpu = pytest.mark.gpu
 
 
-def test_table_routes_plain_half_d64_d128():
-    """d = 64 and 128 in half precision from WS_MIN_KEYS rows and keys (per mask); never without ws_ok, variants, for
+def test_table_routes_plain_half_d64_d128_d256():
+    """d = 64, 128 and 256 in half precision from WS_MIN_KEYS rows and keys (per mask); never without ws_ok, variants, for
     other head dims, unequal head dims, float32 or an unknown length."""
     pick = lambda d=128, dv=None, dtype=torch.bfloat16, causal=False, sk=4096, **kw: fwd_config(  # noqa: E731
         d, dv or d, dtype, causal, "cuda", seqlen_q=sk, seqlen_k=sk, **{"ws_ok": True, **kw})
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for causal in (False, True):
             least = WS_MIN_KEYS[d][causal]
             assert pick(d, causal=causal, sk=least) == _FWD_WS[causal][d]
@@ -36,7 +36,7 @@ def test_table_routes_plain_half_d64_d128():
             short_q = fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=64, seqlen_k=65536, ws_ok=True)
             assert not short_q.gluon  # short queries keep the Triton tiles (they pack a GQA group's rows)
     assert not pick(sk=16384, ws_ok=False).gluon and not pick(sk=16384, variants=True).gluon
-    for other in (pick(d=256, sk=16384), pick(dv=64, sk=16384), pick(d=96, sk=16384), pick(d=32, sk=16384)):
+    for other in (pick(dv=64, sk=16384), pick(d=96, sk=16384), pick(d=32, sk=16384), pick(d=256, dv=128, sk=16384)):
         assert not other.gluon
     assert not fwd_config(128, 128, torch.float32, False, "cuda", seqlen_k=16384, ws_ok=True).gluon
 
@@ -62,7 +62,8 @@ from probe_launch import Sm90NoLaunch
 triton.runtime.driver.set_active(Sm90NoLaunch())
 from onlineattn.ops import forward_sm90
 from onlineattn.ops._configs import _FWD_WS
-for d, causal, dtype in ((128, False, torch.bfloat16), (128, True, torch.float16), (64, True, torch.bfloat16)):
+for d, causal, dtype in ((128, False, torch.bfloat16), (128, True, torch.float16), (64, True, torch.bfloat16),
+                         (256, False, torch.bfloat16)):
     q = torch.randn(2, 300, 8, d, dtype=dtype)
     k = torch.randn(2, 300, 2, d, dtype=dtype)
     o, lse = torch.empty_like(q), torch.empty(2, 8, 300)
@@ -73,26 +74,27 @@ for d, causal, dtype in ((128, False, torch.bfloat16), (128, True, torch.float16
     forward_sm90.attention_fwd_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
     print(d, causal, ptx.count("wgmma.mma_async"), ptx.count("setmaxnreg"), compiled[0].metadata.shared,
-          _FWD_WS[causal][d].num_stages)
+          _FWD_WS[causal][d].num_stages, _FWD_WS[causal][d].block_n)
 """
 
 
 def test_kernel_compiles_for_sm90():
     """The whole pipeline (Gluon -> PTX -> cubin) for sm_90 on this machine: two consumer warpgroups, each issuing
     QKᵀ of the first block, QKᵀ and P·V in the loop and the last P·V (k = 16 per instruction: 4 x (8 + 8) wgmma at
-    d = 128, 4 x (4 + 8) at d = 64: none duplicated), the partitions' register split, and Q plus the table's K/V
-    stages within shared memory."""
+    d = 128 with 128-key blocks, 4 x (4 + 8) at d = 64, 4 x (16 + 4) at d = 256 with 64-key blocks: none
+    duplicated), the partitions' register split, and Q plus the table's K/V stages within shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split()
-    assert len(lines) == 3 * 6, out.stdout
-    for i, (d, causal) in enumerate(((128, "False"), (128, "True"), (64, "True"))):
-        head, flag, wgmma, setmaxnreg, shared, stages = lines[6 * i: 6 * i + 6]
-        assert (int(head), flag) == (d, causal) and int(wgmma) == (64 if d == 128 else 48) and int(setmaxnreg) >= 2
-        assert 128 * d * 2 + int(stages) * 2 * 128 * d * 2 <= int(shared) <= 227 * 1024
+    assert len(lines) == 4 * 7, out.stdout
+    for i, (d, causal) in enumerate(((128, "False"), (128, "True"), (64, "True"), (256, "False"))):
+        head, flag, wgmma, setmaxnreg, shared, stages, block_n = lines[7 * i: 7 * i + 7]
+        assert (int(head), flag) == (d, causal) and int(wgmma) == {128: 64, 64: 48, 256: 80}[d]
+        assert int(setmaxnreg) >= 2
+        assert 128 * d * 2 + int(stages) * 2 * int(block_n) * d * 2 <= int(shared) <= 227 * 1024
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -110,7 +112,7 @@ SHAPES = [  # b, sq, sk, hq, hkv
 
 @gpu
 @sm90
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
@@ -127,16 +129,18 @@ def test_matches_oracle(shape, persistent, causal, dtype, d):
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("table", [True, False], ids=["table", "other-schedule"])
-def test_long_and_strided_bf16(causal, table):
-    """4099 keys (33 blocks, the last one partial) from [B, H, S, D] storage viewed as [B, S, H, D], an explicit
-    scale; the default table (which routes here), or the schedule the table does not pick for this mask. 2 · 6 · 33
-    = 396 tiles: a persistent grid of 132 programs runs a reversed full lap (its snake order) and a partial one."""
+@pytest.mark.parametrize("d", [128, 256])
+def test_long_and_strided_bf16(d, causal, table):
+    """4099 keys (33 key blocks at d = 128, 65 at d = 256; the last one partial) from [B, H, S, D] storage viewed as
+    [B, S, H, D], an explicit scale; the default table (which routes here), or the schedule the table does not pick
+    for this mask. 2 · 6 · 33 = 396 row tiles: a persistent grid of 132 programs runs a reversed full lap (its snake
+    order) and a partial one."""
     b, n, hq, hkv = 2, 4099, 6, 2
     q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
-               for x in _inputs(b, n, n, hq, hkv, 128, 128, torch.bfloat16, seed=n, device="cuda"))
+               for x in _inputs(b, n, n, hq, hkv, d, d, torch.bfloat16, seed=n, device="cuda"))
     assert F.ws_ok(q, k, v, 0.07, PLAIN)
-    cfg = fwd_config(128, 128, torch.bfloat16, causal, "cuda", seqlen_q=n, seqlen_k=n, ws_ok=True)
-    assert cfg == _FWD_WS[causal][128]
+    cfg = fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=n, seqlen_k=n, ws_ok=True)
+    assert cfg == _FWD_WS[causal][d]
     config = None if table else replace(cfg, persistent=not cfg.persistent)
     o, lse = _run_poisoned(q, k, v, causal, scale=0.07, config=config)
     assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "unwritten elements"
@@ -196,9 +200,10 @@ def test_repeat_relaunches_bitwise(causal, persistent, monkeypatch):
 
 @gpu
 @sm90
-@pytest.mark.parametrize("d", [32, 96, 256])
+@pytest.mark.parametrize("d", [32, 96])
 def test_other_head_dims_are_refused(d):
-    """The Hopper kernels are built for d = 64 and 128: a gluon config at another head dim raises, never launches."""
+    """The Hopper forward is built for d = 64, 128 and 256: a gluon config at another head dim raises, never
+    launches."""
     q, k, v = _inputs(1, 600, 600, 2, 2, d, d, torch.bfloat16, seed=d, device="cuda")
     assert not F.ws_ok(q, k, v, 0.1, PLAIN)
     with pytest.raises(ValueError, match="config"):

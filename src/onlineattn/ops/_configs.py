@@ -90,9 +90,18 @@ _FWD_LONG = {causal: {d: replace(cfg, pipeline=True) for d, cfg in table.items()
 #   read 438 there for the same order on a 2-D grid, against 400 for the Triton tile in the rows of 7956468) and
 #   16384 at d = 64.
 _WS_TILE = FwdConfig(128, 128, 4, 3, tma=True, gluon=True)
-_FWD_WS = {False: {64: replace(_WS_TILE, persistent=True), 128: replace(_WS_TILE, persistent=True)},
-           True: {64: _WS_TILE, 128: _WS_TILE}}
-WS_MIN_KEYS = {64: (512, 16384), 128: (512, 2048)}
+# - d = 256 (session 20, .devrun/gsweep256.py, 8 heads, B·N = 16k, beside the Triton tile and cuDNN in one run):
+#   Q (64 KiB) and two stages of 64-key K/V blocks fill 192 KiB; 32-key blocks with three or four stages lost to it
+#   everywhere (337-513 non-causal). 64-key blocks, N = 512 / 1024 / 2048 / 4096 / 16384: non-causal persistent
+#   439 / 540 / 607 / 639 / 664 (per tile 402 / 514 / 594 / 635 / 659; Triton 327 / 422 / 466 / 492 / 544; cuDNN
+#   511 / 601 / 648 / 675 / 683); causal per tile 250 / 371 / 461 / 538 / 667 (persistent 266 / 388 / 467 / 517 /
+#   434; Triton 211 / 310 / 384 / 442 / 527; cuDNN 333 / 443 / 530 / 570 / 610). So both masks take it from 512,
+#   persistent non-causal and one program per tile causal, as at d = 128. ptxas: 80-136 B of spills.
+_WS_TILE_D256 = FwdConfig(128, 64, 4, 2, tma=True, gluon=True)
+_FWD_WS = {False: {64: replace(_WS_TILE, persistent=True), 128: replace(_WS_TILE, persistent=True),
+                   256: replace(_WS_TILE_D256, persistent=True)},
+           True: {64: _WS_TILE, 128: _WS_TILE, 256: _WS_TILE_D256}}
+WS_MIN_KEYS = {64: (512, 16384), 128: (512, 2048), 256: (512, 512)}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 (above)
 
 # fp32 tiles take twice the shared memory and run as ieee fp32 (exactness before speed): smaller tiles.

@@ -26,6 +26,8 @@ from ._common import LOG2E
 from ._launch import cdiv, start
 from .forward_sm90 import Tile, descriptor
 
+HEAD_DIMS = (64, 128)  # what this kernel is built and tested for (d = 256's dK and dV accumulators outgrow a warpgroup)
+
 KEYS_PER_WARPGROUP = 64
 
 

@@ -236,8 +236,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def ws_ok(q, k, v, scale, mods: Mods) -> bool:
     """Whether the warp-specialized Hopper kernel (forward_sm90.py) can run this call: plain attention on an sm_90
-    device in half precision, equal head dims of 64 or 128, a positive scale (its max is taken before scaling), and
-    Q through a tensor descriptor too (K and V are checked by the caller)."""
+    device in half precision, equal head dims of 64, 128 or 256 (forward_sm90.HEAD_DIMS), a positive scale (its max
+    is taken before scaling), and Q through a tensor descriptor too (K and V are checked by the caller)."""
     return (forward_sm90 is not None and mods is PLAIN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
             and q.shape[-1] == v.shape[-1] and q.shape[-1] in forward_sm90.HEAD_DIMS and scale > 0
             and forward_sm90.is_sm90(q.device) and _tma_ok(q))

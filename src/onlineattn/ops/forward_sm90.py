@@ -8,7 +8,7 @@ keeps its own online-softmax state (m, l, acc) and, for block j, issues QKᵀ_j,
 QKᵀ_j only and runs block j's softmax while the tensor cores still add the previous block (P stays in registers as
 wgmma's A operand). The two warpgroups also overlap each other's softmax with their matmuls.
 
-Plain attention only: float16/bfloat16, equal head dims for K and V (64 or 128), a positive scale, no score variants,
+Plain attention only: float16/bfloat16, equal head dims for K and V (64, 128 or 256), a positive scale, no score variants,
 strides a TMA descriptor accepts. ``forward.py`` routes a launch here when ``fwd_config`` picks a ``gluon`` tile
 (``ops/_configs.py`` says where it was measured faster); everything else runs the Triton kernel. Gluon has no
 interpreter, so CI compiles this kernel for sm_90 (tests/ops/test_forward_sm90.py) and the GPU suite runs it.
@@ -30,7 +30,7 @@ from ._common import LOG2E
 from ._launch import cdiv, start
 
 ROWS_PER_WARPGROUP = 64
-HEAD_DIMS = (64, 128)  # what the kernels here (and backward_sm90.py) are built and tested for
+HEAD_DIMS = (64, 128, 256)  # what this kernel is built and tested for (backward_sm90.HEAD_DIMS: the dK/dV kernel's)
 
 
 @aggregate
