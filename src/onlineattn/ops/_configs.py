@@ -141,6 +141,7 @@ class BwdTile:
     split_scores: bool = False  # dK/dV only: score tiles split across warpgroups (backward.py, SPLIT_SCORES)
     gluon: bool = False  # dK/dV only: the warp-specialized Hopper kernel (backward_sm90.py): block_n = 128 keys over
     #                      two 4-warp warpgroups, block_m = 64-row tiles of one head, num_stages Q/dO stages
+    fused_dq: bool = False  # gluon only: that kernel also adds dQ (float32 atomics), and no dQ kernel runs
 
 
 @dataclass(frozen=True)

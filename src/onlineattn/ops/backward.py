@@ -538,7 +538,12 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     scalars = (sq, sk, hkv, scale * LOG2E, scale)
     t = cfg.dkdv
     if t.gluon:
-        grid_dkdv, dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep)
+        dq_acc = _dq_accumulator(dq) if t.fused_dq else None
+        grid_dkdv, dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep,
+                                                    dq_acc=dq_acc)
+        if t.fused_dq:  # dQ came with dK and dV: scale it into dq, and no dQ kernel runs
+            torch.mul(dq_acc, scale, out=dq)
+            return (grid_dkdv, dkdv), (None, None)
     else:
         q_arg, do_arg = q, do
         if tma_rows:
@@ -563,6 +568,11 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
         num_stages=t.num_stages,
     )
     return (grid_dkdv, dkdv), (grid_dq, dq_kernel)
+
+
+def _dq_accumulator(dq):
+    """Zeroed float32 dQ of dq's shape, for a ``fused_dq`` kernel's atomics (contiguous: the kernel's row stride)."""
+    return torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -606,7 +616,10 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> boo
     """Launch a plain backward seen before through its kept launches; False, launching nothing, where there is no
     step for this metadata or one of its launches cannot be repeated."""
     step = _STEPS.get(_step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config))
-    if step is None or step.pre[1] is None or step.dkdv[1] is None or step.dq[1] is None:
+    if step is None or step.pre[1] is None or step.dkdv[1] is None:
+        return False
+    fused = step.cfg.dkdv.fused_dq  # no dQ launch: dQ comes with dK and dV
+    if not fused and step.dq[1] is None:
         return False
     b, sq, hq, d = q.shape
     hkv, dv_dim = k.shape[2], v.shape[3]
@@ -616,22 +629,27 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> boo
     if step.tma_rows and not step.cfg.dkdv.gluon:
         rows = step.cfg.dkdv.block_m // group
         q_arg, do_arg = descriptor(q, rows, group, block_d), descriptor(do, rows, group, block_dv)
-    if step.tma_keys:
+    if step.tma_keys and not fused:
         keys = step.cfg.dq.block_n
         k_arg, v_arg = descriptor(k, keys, 1, block_d), descriptor(v, keys, 1, block_dv)
     (grid_pre, pre), (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.pre, step.dkdv, step.dq
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     arrays_pre = (o, do, lse if dlse is None else dlse, delta)
+    dq_acc = _dq_accumulator(dq) if fused else None
     if step.cfg.dkdv.gluon:
-        arrays_dkdv = (*backward_sm90.descriptors(q, k, v, do, step.cfg.dkdv), lse, delta, dk, dv)
+        descriptors = backward_sm90.descriptors(q, k, v, do, step.cfg.dkdv)
+        arrays_dkdv = (*descriptors, lse, delta, dk, dv, dk if dq_acc is None else dq_acc)
     else:
         arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
     arrays_dq = (q, k_arg, v_arg, do, lse, delta, dq)
-    if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and dq_kernel.ready(arrays_dq)):
+    if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and (fused or dq_kernel.ready(arrays_dq))):
         return False
     pre.go(grid_pre, arrays_pre)
     dkdv.go(grid_dkdv, arrays_dkdv)
-    dq_kernel.go(grid_dq, arrays_dq)
+    if fused:
+        torch.mul(dq_acc, scale, out=dq)
+    else:
+        dq_kernel.go(grid_dq, arrays_dq)
     return True
 
 

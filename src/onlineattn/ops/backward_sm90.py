@@ -42,9 +42,10 @@ class _Tile:
     STAGES: gl.constexpr
     CAUSAL: gl.constexpr
     GROUP: gl.constexpr
+    FUSED_DQ: gl.constexpr
 
     @gluon.constexpr_function
-    def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP):
+    def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -52,14 +53,17 @@ class _Tile:
         self.STAGES = gl.constexpr(STAGES)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.GROUP = gl.constexpr(GROUP)
+        self.FUSED_DQ = gl.constexpr(FUSED_DQ)
 
 
 @gluon.jit
-def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
+def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQ,
                                    stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
-                                   stride_dvb, stride_dvs, stride_dvh, seqlen_q, seqlen_k, heads_kv, qk_scale,
+                                   stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
+                                   seqlen_q, seqlen_k, heads_kv, qk_scale,
                                    sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr):
+                                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
+                                   FUSED_DQ: gl.constexpr):
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     off_b = pid_bh // heads_kv
@@ -84,10 +88,19 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # With FUSED_DQ: both warpgroups' dSᵀ of a row tile ([128 keys, 64 rows], two buffers), for dQ = dS K over all 128
+    # keys (each warpgroup half of dQ's columns); "ds_ready" counts the two halves written, "ds_free" the two reads.
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 if FUSED_DQ else 1, BLOCK_N, BLOCK_M], ds_layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2)  # the copies' expect-tx arrival, then the row statistics' one
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(ds_free.index(i), count=2)
     fence_async_shared()
 
     # Partition arguments must be IR values: an int argument equal to 1 arrives as a constexpr, so scalars that can
@@ -97,13 +110,16 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     stride_lh = gl.to_tensor(stride_lh)
     smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty)
     where = (off_b, off_hkv, n0, lo, row_tiles, seqlen_q)
-    consumer = smem + where + (DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                               seqlen_k, qk_scale, sm_scale)
+    stride_dqs = gl.to_tensor(stride_dqs)
+    stride_dqh = gl.to_tensor(stride_dqh)
+    consumer = smem + (ds_smem, ds_ready, ds_free) + where + (
+        DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs,
+        stride_dqh, seqlen_k, qk_scale, sm_scale)
     gl.warp_specialize([
-        (_consumer, consumer + (_Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
-        (_consumer, consumer + (_Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
+        (_consumer, consumer + (_Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
+        (_consumer, consumer + (_Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
         (_producer, (q_desc, k_desc, v_desc, do_desc) + smem + where
-         + (LSE, DELTA, stride_lb, stride_lh, _Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP))),
+         + (LSE, DELTA, stride_lb, stride_lh, _Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ))),
     ], [4, 1], [240, 24])
 
 
@@ -136,10 +152,12 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, off_b, off_hkv, n0, lo,
-              row_tiles, seqlen_q, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-              seqlen_k, qk_scale, sm_scale, tile):
-    """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale)."""
+def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_smem, ds_ready, ds_free,
+              off_b, off_hkv, n0, lo, row_tiles, seqlen_q, DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb,
+              stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh, seqlen_k, qk_scale, sm_scale, tile):
+    """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale). With
+    FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to DQ (float32,
+    unscaled) by atomics."""
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     STAGES: gl.constexpr = tile.STAGES
@@ -148,18 +166,24 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    HALF_D: gl.constexpr = D // 2
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_D, 16])
     dtype: gl.constexpr = q_smem.dtype
     key0 = n0 + tile.WG * 64
     keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
     diag = seqlen_k - seqlen_q
     full_from = key0 + 63 - diag  # row tiles starting here see every key of this warpgroup
     zero_st = gl.zeros([64, BLOCK_M], gl.float32, layout=st_layout)
+    zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
     dk = gl.zeros([64, D], gl.float32, layout=kv_layout)
     dv = gl.zeros([64, D], gl.float32, layout=kv_layout)
 
     mbarrier.wait(kv_bar, 0)
     k = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
     v = v_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
+    k_cols = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * HALF_D, HALF_D, dim=1)  # dQ's B operand: its columns
+    partial = key0 + 64 > seqlen_k  # keys past the end: zero-filled K and V, but P must be 0 there for dS
     for t in range(row_tiles * tile.GROUP):
         stage = t % STAGES
         m = lo + (t % row_tiles) * BLOCK_M
@@ -175,13 +199,36 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
             if m < full_from:
                 rows = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
                 pt = gl.where(keys[:, None] <= rows[None, :] + diag, pt, 0.0)
+        if tile.FUSED_DQ:
+            if partial:
+                pt = gl.where(keys[:, None] < seqlen_k, pt, 0.0)
         dst = pt * (dpt - delta_smem.index(stage).load(gl.SliceLayout(0, st_layout))[None, :])
         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
         dst_op = gl.convert_layout(dst.to(dtype), a_layout)
+        if tile.FUSED_DQ:
+            buf = t % 2
+            use = (t // 2) & 1
+            mbarrier.wait(ds_free.index(buf), use ^ 1)  # both warpgroups read this buffer two tiles ago
+            ds_smem.index(buf).slice(tile.WG * 64, 64).store(dst.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
         dv = warpgroup_mma(pt_op, do, dv, is_async=True)
         dk = warpgroup_mma(dst_op, q, dk, is_async=True)
-        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
-        mbarrier.arrive(empty.index(stage), count=1)
+        if tile.FUSED_DQ:
+            mbarrier.wait(ds_ready.index(buf), use)
+            dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
+            dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
+            mbarrier.arrive(ds_free.index(buf), count=1)
+            mbarrier.arrive(empty.index(stage), count=1)
+            head = off_hkv * tile.GROUP + t // row_tiles
+            q_rows = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+            q_cols = tile.WG * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, dq_layout))
+            p_dq = (DQ + off_b.to(gl.int64) * stride_dqb + head * stride_dqh
+                    + q_rows.to(gl.int64)[:, None] * stride_dqs + q_cols[None, :])
+            gl.atomic_add(p_dq, dq, mask=(q_rows < seqlen_q)[:, None], sem="relaxed")
+        else:
+            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+            mbarrier.arrive(empty.index(stage), count=1)
 
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
     out_keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
@@ -199,24 +246,28 @@ def descriptors(q, k, v, do, tile) -> tuple:
     return descriptor(q, rows_block), descriptor(k, keys_block), descriptor(v, keys_block), descriptor(do, rows_block)
 
 
-def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False):
+def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None):
     """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
-    and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous).
-    Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept for repeats with new arrays
-    (``descriptors(q, k, v, do, tile), lse, delta, dk, dv``)."""
+    and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous). A
+    ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Sq, Hq, D]``, zeroed by the
+    caller). Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept for repeats with new arrays
+    (``descriptors(q, k, v, do, tile), lse, delta, dk, dv, dq_acc``; dk in dq_acc's place when not fused)."""
     if tile.block_m != KEYS_PER_WARPGROUP or tile.block_n != 2 * KEYS_PER_WARPGROUP or tile.num_warps != 4:
         raise ValueError(f"config: the Hopper dK/dV kernel runs 128 keys over two 4-warp warpgroups and 64-row "
                          f"tiles, not {tile}")
+    if tile.fused_dq != (dq_acc is not None):
+        raise ValueError("dq_acc: a fused_dq tile needs the float32 dQ accumulator, and only it takes one")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     grid = (cdiv(sk, tile.block_n), b * hkv)
     q_desc, k_desc, v_desc, do_desc = descriptors(q, k, v, do, tile)
+    dq_arg, dq_strides = (dq_acc, dq_acc.stride()[:3]) if tile.fused_dq else (dk, (0, 0, 0))
     kept = start(
-        keep, attention_bwd_dkdv_sm90_kernel, grid, 8,
-        q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, lse.stride(0), lse.stride(1),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        keep, attention_bwd_dkdv_sm90_kernel, grid, 9,
+        q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, dq_arg, lse.stride(0), lse.stride(1),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *dq_strides,
         sq, sk, hkv, scale * LOG2E, scale,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
-        GROUP=hq // hkv, num_warps=4,
+        GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, num_warps=4,
     )
     return grid, kept
