@@ -52,6 +52,9 @@ def test_gluon_tile_is_refused_where_it_cannot_run():
         B.backward(do, q, k, v, o, lse, 0.1, False, config=cfg)
     with pytest.raises(ValueError, match="config"):
         backward_sm90.launch_dkdv(q, k, v, do, lse, lse, k, v, 0.1, False, replace(_BWD_WS_DKDV[128], block_m=128))
+    delta = torch.randn(1, 8, 2).transpose(1, 2)  # lse's shape, other strides: the kernel reads both with lse's
+    with pytest.raises(ValueError, match="delta"):
+        backward_sm90.launch_dkdv(q, k, v, do, lse, delta, k, v, 0.1, False, _BWD_WS_DKDV[128])
 
 
 _COMPILE = """
@@ -75,6 +78,11 @@ for d, causal, fused in ((128, False, False), (64, True, False), (128, True, Tru
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
     print(d, ptx.count("wgmma.mma_async"), int("atom.global.gpu.relaxed.add" in ptx))
+# one query row of one head: lse's batch stride is 1, an int Triton makes a constexpr (partition arguments must not be)
+q, k, lse = torch.randn(2, 1, 1, 64, dtype=torch.bfloat16), torch.randn(2, 3, 1, 64, dtype=torch.bfloat16), torch.randn(2, 1, 1)
+assert lse.stride(0) == 1
+backward_sm90.launch_dkdv(q, k, k, q, lse, lse, torch.empty_like(k), torch.empty_like(k), 0.1, True, _BWD_WS_DKDV[64])
+print("tiny")
 """
 
 
@@ -86,7 +94,7 @@ def test_kernel_compiles_for_sm90():
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["128", "48", "0", "64", "32", "0", "128", "64", "1", "64", "48", "1"], out.stdout
+    assert out.stdout.split() == ["128", "48", "0", "64", "32", "0", "128", "64", "1", "64", "48", "1", "tiny"], out.stdout
 
 
 SHAPES = [  # b, sq, sk, hq, hkv
@@ -96,6 +104,7 @@ SHAPES = [  # b, sq, sk, hq, hkv
     (1, 300, 40, 4, 2),
     (1, 1000, 1000, 4, 4),  # 16 row tiles: the stages wrap around
     (2, 513, 700, 6, 2),  # Sk > Sq, group of 3
+    (2, 1, 3, 1, 1),  # one query row of one head: lse's batch stride is 1 (an int Triton makes a constexpr)
 ]
 
 

@@ -192,3 +192,14 @@ def test_repeat_relaunches_bitwise(causal, persistent, monkeypatch):
     again = F.forward(q.clone(), k.clone(), v.clone(), 0.1, causal, config=cfg)
     assert len(starts) == 1 and len(F._STEPS) == 1  # the second call was a repeat
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d", [32, 96, 256])
+def test_other_head_dims_are_refused(d):
+    """The Hopper kernels are built for d = 64 and 128: a gluon config at another head dim raises, never launches."""
+    q, k, v = _inputs(1, 600, 600, 2, 2, d, d, torch.bfloat16, seed=d, device="cuda")
+    assert not F.ws_ok(q, k, v, 0.1, PLAIN)
+    with pytest.raises(ValueError, match="config"):
+        F.forward(q, k, v, 0.1, False, config=_FWD_WS[False][128])

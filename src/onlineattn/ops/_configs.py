@@ -86,11 +86,13 @@ _FWD_LONG = {causal: {d: replace(cfg, pipeline=True) for d, cfg in table.items()
 #   head's tiles adjacent, bottom first) restored them (.devrun/c4.sh): per tile 435 / 496 / 534 / 601 at 2048 /
 #   4096 / 8192 / 16384 (Triton 432 / 451 / 476 / 524, cuDNN 487 / 527 / 546 / 574); persistent fell to 428 / 463 /
 #   487 / 429 (cause not established). d = 64 causal N = 4096 / 16384: per tile 378 / 445, persistent 400 / 437,
-#   Triton 380 / 402. So causal launches take one program per tile, from 4096 at d = 128 and 16384 at d = 64.
+#   Triton 380 / 402. So causal launches take one program per tile, from 2048 at d = 128 (the bench rows of f0fdff6
+#   read 438 there for the same order on a 2-D grid, against 400 for the Triton tile in the rows of 7956468) and
+#   16384 at d = 64.
 _WS_TILE = FwdConfig(128, 128, 4, 3, tma=True, gluon=True)
 _FWD_WS = {False: {64: replace(_WS_TILE, persistent=True), 128: replace(_WS_TILE, persistent=True)},
            True: {64: _WS_TILE, 128: _WS_TILE}}
-WS_MIN_KEYS = {64: (512, 16384), 128: (512, 4096)}
+WS_MIN_KEYS = {64: (512, 16384), 128: (512, 2048)}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 (above)
 
 # fp32 tiles take twice the shared memory and run as ieee fp32 (exactness before speed): smaller tiles.

@@ -208,10 +208,10 @@ class Relaunch:
     """One launch kept for repeats that differ only in their leading arguments, tensors and tensor descriptors (same
     types in the same places; every other argument equal): ``relaunch(grid, arrays)`` launches the compiled kernel
     with them, or returns False, launching nothing, where the call might specialise differently (a tensor's type or
-    16-byte alignment, a descriptor's dtype, block shape or padding changed; another device; a hook, pre-run hook,
-    knob or global the kernel read changed since) and so needs ``launch``. The two halves are ``ready(arrays)`` and
-    ``go(grid, arrays)``, for callers that must know several launches can be repeated before starting any.
-    ``prepare`` makes one."""
+    16-byte alignment, a descriptor's dtype, block shape, padding or Gluon layout changed; another device; a hook,
+    pre-run hook, knob or global the kernel read changed since) and so needs ``launch``. The two halves are
+    ``ready(arrays)`` and ``go(grid, arrays)``, for callers that must know several launches can be repeated before
+    starting any. ``prepare`` makes one."""
 
     __slots__ = ("kernel", "compiled", "rest", "types", "aligned", "tensor_at", "descriptor_at", "descriptor_keys",
                  "device", "knobs", "options")

@@ -103,13 +103,21 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
         mbarrier.init(ds_free.index(i), count=2)
     fence_async_shared()
 
-    # Partition arguments must be IR values: an int argument equal to 1 arrives as a constexpr, so scalars that can
-    # be 1 are made tensors.
+    # Partition arguments must be IR values: an int argument equal to 1 arrives as a constexpr (lse's batch stride is
+    # 1 when Hq · Sq = 1), so every int a partition takes is made a tensor.
     seqlen_q = gl.to_tensor(seqlen_q)
     seqlen_k = gl.to_tensor(seqlen_k)
+    stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
+    stride_dkb = gl.to_tensor(stride_dkb)
+    stride_dks = gl.to_tensor(stride_dks)
+    stride_dkh = gl.to_tensor(stride_dkh)
+    stride_dvb = gl.to_tensor(stride_dvb)
+    stride_dvs = gl.to_tensor(stride_dvs)
+    stride_dvh = gl.to_tensor(stride_dvh)
     smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty)
     where = (off_b, off_hkv, n0, lo, row_tiles, seqlen_q)
+    stride_dqb = gl.to_tensor(stride_dqb)
     stride_dqs = gl.to_tensor(stride_dqs)
     stride_dqh = gl.to_tensor(stride_dqh)
     consumer = smem + (ds_smem, ds_ready, ds_free) + where + (
@@ -257,6 +265,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
                          f"tiles, not {tile}")
     if tile.fused_dq != (dq_acc is not None):
         raise ValueError("dq_acc: a fused_dq tile needs the float32 dQ accumulator, and only it takes one")
+    if delta.stride() != lse.stride():
+        raise ValueError(f"delta: the kernel reads it with lse's strides {lse.stride()}, not {delta.stride()}")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     grid = (cdiv(sk, tile.block_n), b * hkv)

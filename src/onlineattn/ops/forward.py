@@ -236,10 +236,11 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def ws_ok(q, k, v, scale, mods: Mods) -> bool:
     """Whether the warp-specialized Hopper kernel (forward_sm90.py) can run this call: plain attention on an sm_90
-    device in half precision, equal head dims, a positive scale (its max is taken before scaling), and Q through a
-    tensor descriptor too (K and V are checked by the caller)."""
+    device in half precision, equal head dims of 64 or 128, a positive scale (its max is taken before scaling), and
+    Q through a tensor descriptor too (K and V are checked by the caller)."""
     return (forward_sm90 is not None and mods is PLAIN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-            and q.shape[-1] == v.shape[-1] and scale > 0 and forward_sm90.is_sm90(q.device) and _tma_ok(q))
+            and q.shape[-1] == v.shape[-1] and q.shape[-1] in forward_sm90.HEAD_DIMS and scale > 0
+            and forward_sm90.is_sm90(q.device) and _tma_ok(q))
 
 
 def descriptor(x, box_rows: int, box_heads: int, box_d: int) -> TensorDescriptor:
@@ -417,8 +418,9 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
 
 # ---------------------------------------------------------------------------------------------------------------
 # Repeats. A plain whole-batch call keeps its tile choice and its launch per metadata; a repeat swaps the tensors in
-# (``Relaunch``) and rebuilds K's and V's descriptors around them. Where the relaunch declines (a hook set, an
-# alignment changed...), nothing is launched and the call takes the full path, which keeps a fresh launch.
+# (``Relaunch``) and rebuilds the descriptors around them (K's and V's; the Gluon kernel's Q's too). Where the
+# relaunch declines (a hook set, an alignment changed...), nothing is launched and the call takes the full path,
+# which keeps a fresh launch.
 
 _STEPS: dict = {}  # metadata -> (tile, descriptor use, grid, Relaunch or None)
 _MAX_STEPS = 256  # shapes a process sees are few; past this the table starts over

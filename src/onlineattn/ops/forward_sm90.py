@@ -1,6 +1,7 @@
 """Forward attention on Hopper (sm_90): a warp-specialized Gluon kernel, FlashAttention-3's structure.
 
-One program owns ``BLOCK_M = 128`` query rows of one head, split between two consumer warpgroups of 64 rows each.
+A program takes tiles of ``BLOCK_M = 128`` query rows of one head (one tile, or with ``persistent`` a lap-strided
+run of them), each split between two consumer warpgroups of 64 rows.
 A one-warp producer partition streams K and V blocks by TMA into a ring of ``num_stages`` shared-memory stages; each
 stage has a "ready" mbarrier (the copy landed) and an "empty" one (both consumers are done reading it). Each consumer
 keeps its own online-softmax state (m, l, acc) and, for block j, issues QKᵀ_j, then P_{j-1}·V_{j-1}, waits for
@@ -29,6 +30,7 @@ from ._common import LOG2E
 from ._launch import cdiv, start
 
 ROWS_PER_WARPGROUP = 64
+HEAD_DIMS = (64, 128)  # what the kernels here (and backward_sm90.py) are built and tested for
 
 
 @aggregate
@@ -105,7 +107,7 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_
 def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile):
     """Tile ``t`` -> (batch, q head, first row, key blocks). A head's row tiles are adjacent (they share K and V in L2:
     interleaving the heads instead cost 2-5 % causal at N >= 4096, session 19); under causal they come bottom first (the
-    most key blocks), so the tiles handed out last are the short ones. A program takes ``t = pid, pid + programs,
+    most key blocks), so within a head the tiles handed out last are the short ones. A program takes ``t = pid, pid + programs,
     ...`` (laps of ``programs`` tiles); every odd full lap is taken in reverse (a snake), so under causal a program
     that took a longer tile of one lap takes a shorter one of the next (even so, persistent causal launches measured
     slower than one program per tile, which the table uses: _configs.py)."""
