@@ -542,7 +542,7 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
         grid_dkdv, dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep,
                                                     dq_acc=dq_acc)
         if t.fused_dq:  # dQ came with dK and dV: scale it into dq, and no dQ kernel runs
-            torch.mul(dq_acc, scale, out=dq)
+            torch.mul(dq_acc.transpose(1, 2), scale, out=dq)
             return (grid_dkdv, dkdv), (None, None)
     else:
         q_arg, do_arg = q, do
@@ -571,8 +571,9 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
 
 
 def _dq_accumulator(dq):
-    """Zeroed float32 dQ of dq's shape, for a ``fused_dq`` kernel's atomics (contiguous: the kernel's row stride)."""
-    return torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
+    """Zeroed float32 dQ ``[B, Hq, Sq, D]`` for a ``fused_dq`` kernel's atomics (each head's rows contiguous)."""
+    b, sq, hq, d = dq.shape
+    return torch.zeros((b, hq, sq, d), dtype=torch.float32, device=dq.device)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -647,7 +648,7 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> boo
     pre.go(grid_pre, arrays_pre)
     dkdv.go(grid_dkdv, arrays_dkdv)
     if fused:
-        torch.mul(dq_acc, scale, out=dq)
+        torch.mul(dq_acc.transpose(1, 2), scale, out=dq)
     else:
         dq_kernel.go(grid_dq, arrays_dq)
     return True

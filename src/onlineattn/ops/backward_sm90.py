@@ -59,7 +59,7 @@ class _Tile:
 @gluon.jit
 def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQ,
                                    stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
-                                   stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh,
+                                   stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqh,
                                    seqlen_q, seqlen_k, heads_kv, qk_scale,
                                    sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
@@ -118,11 +118,10 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty)
     where = (off_b, off_hkv, n0, lo, row_tiles, seqlen_q)
     stride_dqb = gl.to_tensor(stride_dqb)
-    stride_dqs = gl.to_tensor(stride_dqs)
     stride_dqh = gl.to_tensor(stride_dqh)
     consumer = smem + (ds_smem, ds_ready, ds_free) + where + (
-        DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs,
-        stride_dqh, seqlen_k, qk_scale, sm_scale)
+        DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqh,
+        seqlen_k, qk_scale, sm_scale)
     gl.warp_specialize([
         (_consumer, consumer + (_Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
         (_consumer, consumer + (_Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
@@ -162,7 +161,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_smem, ds_ready, ds_free,
               off_b, off_hkv, n0, lo, row_tiles, seqlen_q, DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb,
-              stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh, seqlen_k, qk_scale, sm_scale, tile):
+              stride_dvs, stride_dvh, stride_dqb, stride_dqh, seqlen_k, qk_scale, sm_scale, tile):
     """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale). With
     FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to DQ (float32,
     unscaled) by atomics."""
@@ -192,7 +191,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
     v = v_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
     k_cols = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * HALF_D, HALF_D, dim=1)  # dQ's B operand: its columns
     partial = key0 + 64 > seqlen_k  # keys past the end: zero-filled K and V, but P must be 0 there for dS
-    for t in range(row_tiles * tile.GROUP):
+    n_tiles = row_tiles * tile.GROUP
+    for t in range(n_tiles):
         stage = t % STAGES
         m = lo + (t % row_tiles) * BLOCK_M
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
@@ -214,29 +214,35 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
         dst_op = gl.convert_layout(dst.to(dtype), a_layout)
         if tile.FUSED_DQ:
-            buf = t % 2
-            use = (t // 2) & 1
-            mbarrier.wait(ds_free.index(buf), use ^ 1)  # both warpgroups read this buffer two tiles ago
+            buf = t % 2  # this tile's dSᵀ, once both warpgroups have read the buffer's last tile (two tiles ago)
+            mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
             ds_smem.index(buf).slice(tile.WG * 64, 64).store(dst.to(dtype))
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(buf), count=1)
         dv = warpgroup_mma(pt_op, do, dv, is_async=True)
         dk = warpgroup_mma(dst_op, q, dk, is_async=True)
         if tile.FUSED_DQ:
-            mbarrier.wait(ds_ready.index(buf), use)
-            dq = warpgroup_mma(ds_smem.index(buf).permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
+            # The previous tile's dQ behind this tile's dV and dK: the other warpgroup wrote its half of that dSᵀ
+            # a tile ago, so the two rarely wait for each other. At t = 0 nothing waits, arrives or is added.
+            pbuf = (t + 1) % 2  # (t - 1) % 2 from t = 1
+            mbarrier.wait(ds_ready.index(pbuf), ((t + 1) // 2 + 1) & 1, pred=t > 0)  # parity of use (t - 1) // 2
+            dq = warpgroup_mma(ds_smem.index(pbuf).permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
-            mbarrier.arrive(ds_free.index(buf), count=1)
             mbarrier.arrive(empty.index(stage), count=1)
-            head = off_hkv * tile.GROUP + t // row_tiles
-            q_rows = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-            q_cols = tile.WG * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, dq_layout))
-            p_dq = (DQ + off_b.to(gl.int64) * stride_dqb + head * stride_dqh
-                    + q_rows.to(gl.int64)[:, None] * stride_dqs + q_cols[None, :])
-            gl.atomic_add(p_dq, dq, mask=(q_rows < seqlen_q)[:, None], sem="relaxed")
+            mbarrier.arrive(ds_free.index(pbuf), count=1, pred=t > 0)
+            _add_dq(dq, DQ, off_b, off_hkv, t - 1, lo, row_tiles, seqlen_q, stride_dqb, stride_dqh,
+                    t > 0, dq_layout, tile)
         else:
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
+    if tile.FUSED_DQ:  # the last tile's dQ (nothing when there was no tile)
+        last = gl.maximum(n_tiles - 1, 0)
+        mbarrier.wait(ds_ready.index(last % 2), (last // 2) & 1, pred=n_tiles > 0)
+        dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        mbarrier.arrive(ds_free.index(last % 2), count=1, pred=n_tiles > 0)
+        _add_dq(dq, DQ, off_b, off_hkv, last, lo, row_tiles, seqlen_q, stride_dqb, stride_dqh,
+                n_tiles > 0, dq_layout, tile)
 
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
     out_keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
@@ -245,6 +251,21 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
     p_dv = DV + off_b.to(gl.int64) * stride_dvb + off_hkv * stride_dvh + out_keys.to(gl.int64)[:, None] * stride_dvs
     gl.store(p_dk + cols[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
     gl.store(p_dv + cols[None, :], dv.to(DV.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
+def _add_dq(dq, DQ, off_b, off_hkv, t, lo, row_tiles, seqlen_q, stride_dqb, stride_dqh, valid, dq_layout, tile):
+    """Add row tile ``t``'s dQ columns of this warpgroup (``dq [BLOCK_M, D/2]``) into DQ (``[B, Hq, Sq, D]``: rows
+    D apart, a constant, so a thread's addresses are one base and immediates), where ``valid``."""
+    D: gl.constexpr = tile.HEAD_DIM
+    HALF_D: gl.constexpr = D // 2
+    head = off_hkv * tile.GROUP + t // row_tiles
+    m = lo + (t % row_tiles) * tile.BLOCK_M
+    base = DQ + off_b.to(gl.int64) * stride_dqb + head.to(gl.int64) * stride_dqh + m.to(gl.int64) * D
+    rows = gl.arange(0, tile.BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
+    cols = tile.WG * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, dq_layout))
+    gl.atomic_add(base + (rows[:, None] * D + cols[None, :]), dq, mask=((m + rows < seqlen_q) & valid)[:, None],
+                  sem="relaxed")
 
 
 def descriptors(q, k, v, do, tile) -> tuple:
@@ -257,7 +278,8 @@ def descriptors(q, k, v, do, tile) -> tuple:
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None):
     """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
     and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous). A
-    ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Sq, Hq, D]``, zeroed by the
+    ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Hq, Sq, D]``, contiguous,
+    zeroed by the
     caller). Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept for repeats with new arrays
     (``descriptors(q, k, v, do, tile), lse, delta, dk, dv, dq_acc``; dk in dq_acc's place when not fused)."""
     if tile.block_m != KEYS_PER_WARPGROUP or tile.block_n != 2 * KEYS_PER_WARPGROUP or tile.num_warps != 4:
@@ -271,7 +293,9 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     sk, hkv = k.shape[1], k.shape[2]
     grid = (cdiv(sk, tile.block_n), b * hkv)
     q_desc, k_desc, v_desc, do_desc = descriptors(q, k, v, do, tile)
-    dq_arg, dq_strides = (dq_acc, dq_acc.stride()[:3]) if tile.fused_dq else (dk, (0, 0, 0))
+    if dq_acc is not None and (dq_acc.shape != (b, hq, sq, d) or not dq_acc.is_contiguous()):
+        raise ValueError(f"dq_acc: a contiguous float32 [B, Hq, Sq, D] = {(b, hq, sq, d)}, not {tuple(dq_acc.shape)}")
+    dq_arg, dq_strides = (dq_acc, dq_acc.stride()[:2]) if tile.fused_dq else (dk, (0, 0))
     kept = start(
         keep, attention_bwd_dkdv_sm90_kernel, grid, 9,
         q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, dq_arg, lse.stride(0), lse.stride(1),
