@@ -74,10 +74,10 @@ for d, causal, fused in ((128, False, False), (64, True, False), (128, True, Tru
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = lambda *a, **kw: compiled.append(
         run(*a, **{{**kw, "warmup": True}}))
     backward_sm90.launch_dkdv(q, k, k, q, lse, lse, torch.empty_like(k), torch.empty_like(k), 0.1, causal,
-                              replace(_BWD_WS_DKDV[d], fused_dq=fused), dq_acc=torch.zeros(q.transpose(1, 2).shape) if fused else None)
+                              replace(_BWD_WS_DKDV[d], fused_dq=fused), dq_acc=torch.zeros(2, 8, 320, d) if fused else None)
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
-    print(d, ptx.count("wgmma.mma_async"), int("atom.global.gpu.relaxed.add" in ptx))
+    print(d, ptx.count("wgmma.mma_async"), int("cp.reduce.async.bulk.tensor" in ptx))
 # one query row of one head: lse's batch stride is 1, an int Triton makes a constexpr (partition arguments must not be)
 q, k, lse = torch.randn(2, 1, 1, 64, dtype=torch.bfloat16), torch.randn(2, 3, 1, 64, dtype=torch.bfloat16), torch.randn(2, 1, 1)
 assert lse.stride(0) == 1
@@ -89,7 +89,7 @@ print("tiny")
 def test_kernel_compiles_for_sm90():
     """Gluon -> PTX -> cubin for sm_90: per warpgroup and row tile Sᵀ and dPᵀ (d / 16 wgmma each) and dV and dK
     (64 rows / 16 each), nothing duplicated; fused_dq adds dQ's half (128 keys / 16, in the loop and once after it
-    for the last tile) and its float32 atomics."""
+    for the last tile) and its float32 TMA reduce-adds."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,

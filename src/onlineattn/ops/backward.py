@@ -538,11 +538,11 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     scalars = (sq, sk, hkv, scale * LOG2E, scale)
     t = cfg.dkdv
     if t.gluon:
-        dq_acc = _dq_accumulator(dq) if t.fused_dq else None
+        dq_acc = _dq_accumulator(dq, t) if t.fused_dq else None
         grid_dkdv, dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep,
                                                     dq_acc=dq_acc)
         if t.fused_dq:  # dQ came with dK and dV: scale it into dq, and no dQ kernel runs
-            torch.mul(dq_acc.transpose(1, 2), scale, out=dq)
+            torch.mul(dq_acc[:, :, : dq.shape[1]].transpose(1, 2), scale, out=dq)
             return (grid_dkdv, dkdv), (None, None)
     else:
         q_arg, do_arg = q, do
@@ -570,10 +570,10 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     return (grid_dkdv, dkdv), (grid_dq, dq_kernel)
 
 
-def _dq_accumulator(dq):
-    """Zeroed float32 dQ ``[B, Hq, Sq, D]`` for a ``fused_dq`` kernel's atomics (each head's rows contiguous)."""
+def _dq_accumulator(dq, tile):
+    """Zeroed float32 dQ ``[B, Hq, Sq rounded up to the row tile, D]`` for a ``fused_dq`` kernel's TMA reduces."""
     b, sq, hq, d = dq.shape
-    return torch.zeros((b, hq, sq, d), dtype=torch.float32, device=dq.device)
+    return torch.zeros((b, hq, cdiv(sq, tile.block_m) * tile.block_m, d), dtype=torch.float32, device=dq.device)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -636,7 +636,7 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> boo
     (grid_pre, pre), (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.pre, step.dkdv, step.dq
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     arrays_pre = (o, do, lse if dlse is None else dlse, delta)
-    dq_acc = _dq_accumulator(dq) if fused else None
+    dq_acc = _dq_accumulator(dq, step.cfg.dkdv) if fused else None
     if step.cfg.dkdv.gluon:
         descriptors = backward_sm90.descriptors(q, k, v, do, step.cfg.dkdv)
         arrays_dkdv = (*descriptors, lse, delta, dk, dv, dk if dq_acc is None else dq_acc)
@@ -648,7 +648,7 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> boo
     pre.go(grid_pre, arrays_pre)
     dkdv.go(grid_dkdv, arrays_dkdv)
     if fused:
-        torch.mul(dq_acc.transpose(1, 2), scale, out=dq)
+        torch.mul(dq_acc[:, :, : dq.shape[1]].transpose(1, 2), scale, out=dq)
     else:
         dq_kernel.go(grid_dq, arrays_dq)
     return True

@@ -24,11 +24,25 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
+from triton._C.libtriton import ir as _ir
+from triton.experimental.gluon.language._core import builtin as _builtin
+
 from ._common import LOG2E
 from ._launch import cdiv, start
 from .forward_sm90 import descriptor
 
 KEYS_PER_WARPGROUP = 64
+
+
+@_builtin
+def _tma_reduce_add(desc, coord, value, _semantic=None):
+    """Add register tensor ``value`` (the descriptor's block shape) into global memory at ``coord`` by a TMA
+    reduce (``tt.descriptor_reduce``: the TMA lowering stages it through shared memory and issues
+    ``cp.reduce.async.bulk.tensor``). Triton 3.6's Gluon exposes no such call."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    return _semantic.tensor(
+        _semantic.builder.create_descriptor_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle, coord),
+        gl.void)
 
 
 @aggregate
@@ -59,7 +73,7 @@ class _Tile:
 @gluon.jit
 def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQ,
                                    stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
-                                   stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqh,
+                                   stride_dvb, stride_dvs, stride_dvh, dq_rows, dq_heads,
                                    seqlen_q, seqlen_k, heads_kv, qk_scale,
                                    sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
@@ -117,10 +131,10 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     stride_dvh = gl.to_tensor(stride_dvh)
     smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty)
     where = (off_b, off_hkv, n0, lo, row_tiles, seqlen_q)
-    stride_dqb = gl.to_tensor(stride_dqb)
-    stride_dqh = gl.to_tensor(stride_dqh)
+    dq_rows = gl.to_tensor(dq_rows)
+    dq_heads = gl.to_tensor(dq_heads)
     consumer = smem + (ds_smem, ds_ready, ds_free) + where + (
-        DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqh,
+        DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, dq_rows, dq_heads,
         seqlen_k, qk_scale, sm_scale)
     gl.warp_specialize([
         (_consumer, consumer + (_Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
@@ -161,10 +175,10 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_smem, ds_ready, ds_free,
               off_b, off_hkv, n0, lo, row_tiles, seqlen_q, DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb,
-              stride_dvs, stride_dvh, stride_dqb, stride_dqh, seqlen_k, qk_scale, sm_scale, tile):
+              stride_dvs, stride_dvh, dq_rows, dq_heads, seqlen_k, qk_scale, sm_scale, tile):
     """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale). With
-    FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to DQ (float32,
-    unscaled) by atomics."""
+    FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to the float32
+    accumulator (unscaled) by TMA reduces, one row tile behind."""
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     STAGES: gl.constexpr = tile.STAGES
@@ -230,8 +244,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
             mbarrier.arrive(ds_free.index(pbuf), count=1, pred=t > 0)
-            _add_dq(dq, DQ, off_b, off_hkv, t - 1, lo, row_tiles, seqlen_q, stride_dqb, stride_dqh,
-                    t > 0, dq_layout, tile)
+            _add_dq(dq, DQ, off_b, off_hkv, t - 1, lo, row_tiles, dq_rows, dq_heads, t > 0, tile)
         else:
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
@@ -241,8 +254,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(ds_free.index(last % 2), count=1, pred=n_tiles > 0)
-        _add_dq(dq, DQ, off_b, off_hkv, last, lo, row_tiles, seqlen_q, stride_dqb, stride_dqh,
-                n_tiles > 0, dq_layout, tile)
+        _add_dq(dq, DQ, off_b, off_hkv, last, lo, row_tiles, dq_rows, dq_heads, n_tiles > 0, tile)
 
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
     out_keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
@@ -254,18 +266,14 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
 
 
 @gluon.jit
-def _add_dq(dq, DQ, off_b, off_hkv, t, lo, row_tiles, seqlen_q, stride_dqb, stride_dqh, valid, dq_layout, tile):
-    """Add row tile ``t``'s dQ columns of this warpgroup (``dq [BLOCK_M, D/2]``) into DQ (``[B, Hq, Sq, D]``: rows
-    D apart, a constant, so a thread's addresses are one base and immediates), where ``valid``."""
-    D: gl.constexpr = tile.HEAD_DIM
-    HALF_D: gl.constexpr = D // 2
+def _add_dq(dq, dq_desc, off_b, off_hkv, t, lo, row_tiles, rows_per_head, heads_q, valid, tile):
+    """Add row tile ``t``'s dQ columns of this warpgroup (``dq [BLOCK_M, D/2]``) into the accumulator (float32
+    ``[B · Hq · rows_per_head, D]``; each head's rows padded to whole tiles, so a tile never reaches the next head's
+    rows) by a TMA reduce, where ``valid``."""
     head = off_hkv * tile.GROUP + t // row_tiles
-    m = lo + (t % row_tiles) * tile.BLOCK_M
-    base = DQ + off_b.to(gl.int64) * stride_dqb + head.to(gl.int64) * stride_dqh + m.to(gl.int64) * D
-    rows = gl.arange(0, tile.BLOCK_M, layout=gl.SliceLayout(1, dq_layout))
-    cols = tile.WG * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, dq_layout))
-    gl.atomic_add(base + (rows[:, None] * D + cols[None, :]), dq, mask=((m + rows < seqlen_q) & valid)[:, None],
-                  sem="relaxed")
+    row0 = (off_b * heads_q + head) * rows_per_head + lo + (t % row_tiles) * tile.BLOCK_M
+    if valid:
+        _tma_reduce_add(dq_desc, [row0, tile.WG * (tile.HEAD_DIM // 2)], dq)
 
 
 def descriptors(q, k, v, do, tile) -> tuple:
@@ -278,8 +286,8 @@ def descriptors(q, k, v, do, tile) -> tuple:
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None):
     """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
     and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous). A
-    ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Hq, Sq, D]``, contiguous,
-    zeroed by the
+    ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Hq, Sq rounded up to the
+    row tile, D]``, contiguous, zeroed by the
     caller). Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept for repeats with new arrays
     (``descriptors(q, k, v, do, tile), lse, delta, dk, dv, dq_acc``; dk in dq_acc's place when not fused)."""
     if tile.block_m != KEYS_PER_WARPGROUP or tile.block_n != 2 * KEYS_PER_WARPGROUP or tile.num_warps != 4:
@@ -293,9 +301,13 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     sk, hkv = k.shape[1], k.shape[2]
     grid = (cdiv(sk, tile.block_n), b * hkv)
     q_desc, k_desc, v_desc, do_desc = descriptors(q, k, v, do, tile)
-    if dq_acc is not None and (dq_acc.shape != (b, hq, sq, d) or not dq_acc.is_contiguous()):
-        raise ValueError(f"dq_acc: a contiguous float32 [B, Hq, Sq, D] = {(b, hq, sq, d)}, not {tuple(dq_acc.shape)}")
-    dq_arg, dq_strides = (dq_acc, dq_acc.stride()[:2]) if tile.fused_dq else (dk, (0, 0))
+    rows_per_head = cdiv(sq, tile.block_m) * tile.block_m
+    if dq_acc is not None and (dq_acc.shape != (b, hq, rows_per_head, d) or not dq_acc.is_contiguous()):
+        raise ValueError(f"dq_acc: a contiguous float32 [B, Hq, Sq rounded up to {tile.block_m}, D] = "
+                         f"{(b, hq, rows_per_head, d)}, not {tuple(dq_acc.shape)}")
+    acc = dq_acc if dq_acc is not None else torch.zeros((tile.block_m, d), dtype=torch.float32, device=q.device)
+    dq_arg = descriptor(acc.view(-1, d), (tile.block_m, d // 2))  # not fused: a placeholder the kernel never reads
+    dq_strides = (rows_per_head, hq)
     kept = start(
         keep, attention_bwd_dkdv_sm90_kernel, grid, 9,
         q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, dq_arg, lse.stride(0), lse.stride(1),

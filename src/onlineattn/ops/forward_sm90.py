@@ -274,7 +274,7 @@ def _softmax(s, m_i, l_i, start_n, rows, seqlen_k, diag, mask_from, qk_scale, CA
 
 @functools.cache
 def _shared_layout(block: tuple, dtype: torch.dtype):
-    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), element)
 
 
