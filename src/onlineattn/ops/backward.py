@@ -639,7 +639,8 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> boo
     dq_acc = _dq_accumulator(dq, step.cfg.dkdv) if fused else None
     if step.cfg.dkdv.gluon:
         descriptors = backward_sm90.descriptors(q, k, v, do, step.cfg.dkdv)
-        arrays_dkdv = (*descriptors, lse, delta, dk, dv, dk if dq_acc is None else dq_acc)
+        dq_arg = backward_sm90.dq_descriptor(dq_acc, step.cfg.dkdv, q.shape[-1], q.device)
+        arrays_dkdv = (*descriptors, lse, delta, dk, dv, dq_arg)
     else:
         arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
     arrays_dq = (q, k_arg, v_arg, do, lse, delta, dq)

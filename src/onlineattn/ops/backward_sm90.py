@@ -16,16 +16,18 @@ TMA-able strides, ``backward.py`` routes a launch here when ``bwd_config`` picks
 """
 
 # No ``from __future__ import annotations``: the aggregate below reads its field annotations as types.
+import functools
+
 import torch
+from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as _builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 from triton.language.core import _aggregate as aggregate
 
-from triton._C.libtriton import ir as _ir
-from triton.experimental.gluon.language._core import builtin as _builtin
 
 from ._common import LOG2E
 from ._launch import cdiv, start
@@ -283,6 +285,19 @@ def descriptors(q, k, v, do, tile) -> tuple:
     return descriptor(q, rows_block), descriptor(k, keys_block), descriptor(v, keys_block), descriptor(do, rows_block)
 
 
+def dq_descriptor(dq_acc, tile, d: int, device):
+    """The kernel's dQ argument: a descriptor over ``dq_acc`` seen as ``[rows, D]`` with boxes of one row tile and
+    half the columns; without ``dq_acc`` (not fused) a placeholder the kernel never reads."""
+    if dq_acc is None:
+        return _placeholder(tile.block_m, d, device)
+    return descriptor(dq_acc.view(-1, d), (tile.block_m, d // 2))
+
+
+@functools.cache
+def _placeholder(rows: int, d: int, device):
+    return descriptor(torch.zeros((rows, d), dtype=torch.float32, device=device), (rows, d // 2))
+
+
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None):
     """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
     and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous). A
@@ -305,8 +320,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     if dq_acc is not None and (dq_acc.shape != (b, hq, rows_per_head, d) or not dq_acc.is_contiguous()):
         raise ValueError(f"dq_acc: a contiguous float32 [B, Hq, Sq rounded up to {tile.block_m}, D] = "
                          f"{(b, hq, rows_per_head, d)}, not {tuple(dq_acc.shape)}")
-    acc = dq_acc if dq_acc is not None else torch.zeros((tile.block_m, d), dtype=torch.float32, device=q.device)
-    dq_arg = descriptor(acc.view(-1, d), (tile.block_m, d // 2))  # not fused: a placeholder the kernel never reads
+    dq_arg = dq_descriptor(dq_acc, tile, d, q.device)
     dq_strides = (rows_per_head, hq)
     kept = start(
         keep, attention_bwd_dkdv_sm90_kernel, grid, 9,
