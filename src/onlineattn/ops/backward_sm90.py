@@ -28,7 +28,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.language.core import _aggregate as aggregate
 
-
 from ._common import LOG2E
 from ._launch import cdiv, start
 from .forward_sm90 import descriptor
