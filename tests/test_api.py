@@ -64,6 +64,21 @@ def test_defaults_accepted_explicitly():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_reaches_the_triton_backward(deterministic, monkeypatch):
+    """``deterministic`` travels from ``attention`` to the eager Triton backward (which may fuse dQ only when it is
+    False); the default is True."""
+    from onlineattn.ops import backward as B
+
+    seen = []
+    gradients = B.gradients
+    monkeypatch.setattr(B, "gradients", lambda *a, **kw: seen.append(kw["deterministic"]) or gradients(*a, **kw))
+    q, k, v = (x.requires_grad_() for x in _qkv(torch.Generator().manual_seed(5)))
+    onlineattn.attention(q, k, v, backend="triton").sum().backward()
+    onlineattn.attention(q, k, v, deterministic=deterministic, backend="triton").sum().backward()
+    assert seen == [True, deterministic]
+
+
 @pytest.mark.parametrize("keyword,value", [("window_size", (4, 0)), ("softcap", 30.0), ("alibi_slopes", torch.ones(4))])
 def test_kvcache_refuses_score_variants_naming_them(keyword, value):
     """Decoding has no score variants: flash-attn's keywords are accepted at their defaults only."""

@@ -87,7 +87,10 @@ def attention(
             It gets a gradient (summed over its broadcast dims) when it requires one.
         sinks: ``[heads_q]``: one logit per head that joins the softmax's normaliser with no value (gpt-oss). It gets
             a gradient; lse includes it.
-        deterministic: accepted for flash-attn compatibility; every backward here is deterministic.
+        deterministic: with False, the backward may sum dQ in no fixed order where that is faster (sm_90,
+            d = 128, long sequences: the Hopper dK/dV kernel adds dQ too), as flash-attn's ``deterministic=False``.
+            torch's ``use_deterministic_algorithms(True)`` overrides it, and so do torch.compile and functorch
+            transforms (their backward is the deterministic op's).
         return_lse: also return the log-sum-exp of the scaled scores (natural log).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         generator: a ``torch.Generator`` for dropout's seed (on q's device type).
@@ -111,11 +114,11 @@ def attention(
     scale = V.check_scale(softmax_scale, dims.head_dim)
     causal = V.check_bool("causal", causal)
     return_lse = V.check_bool("return_lse", return_lse)
-    V.check_bool("deterministic", deterministic)
+    deterministic = V.check_bool("deterministic", deterministic)
     backend = _resolve_backend(backend, q=q)
     mods = _mods(q, dims.batch, dims.heads_q, dims.seqlen_q, dims.seqlen_k, window_size, softcap, alibi_slopes,
                  dropout_p, attn_bias, sinks, generator)
-    return _dispatch(backend, q, k, v, scale, causal, mods, return_lse)
+    return _dispatch(backend, q, k, v, scale, causal, mods, return_lse, deterministic)
 
 
 def attention_varlen(
@@ -200,11 +203,11 @@ def _mods(q, batch, heads_q, seqlen_q, seqlen_k, window_size, softcap, alibi_slo
     return Mods(left, right, softcap, alibi_slopes, attn_bias, sinks, dropout_p, rng)
 
 
-def _dispatch(backend, q, k, v, scale, causal, mods, return_lse):
+def _dispatch(backend, q, k, v, scale, causal, mods, return_lse, deterministic=True):
     if backend == "triton":
         from .ops import forward as triton_forward
 
-        o, lse = triton_forward.attention(q, k, v, scale, causal, mods)
+        o, lse = triton_forward.attention(q, k, v, scale, causal, mods, deterministic)
     else:
         o, lse = torch_impl.attention(q, k, v, scale, causal, mods)
     return (o, lse) if return_lse else o

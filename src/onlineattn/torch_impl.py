@@ -333,7 +333,8 @@ def _blockwise_fwd(q, k, v, scale, causal, *mod_args):
     return o.contiguous(), lse
 
 
-def _blockwise_grads(do, q, k, v, o, lse, dlse, scale, causal, mods: Mods, bias_grad: bool):
+def _blockwise_grads(do, q, k, v, o, lse, dlse, scale, causal, mods: Mods, bias_grad: bool, deterministic=True):
+    """The blockwise gradients (always deterministic: ``deterministic`` is the Triton path's choice)."""
     if mods.varlen:
         return gradients_varlen(do, q, k, v, o, lse, scale, causal, dlse, mods)
     return gradients(do, q, k, v, o, lse, scale, causal, dlse, mods, bias_grad=bias_grad)
@@ -383,8 +384,10 @@ def _eager(*tensors) -> bool:
 def autograd_formula(backward_op, direct):
     """The forward op's backward: call ``backward_op`` (the same path's backward custom op) with the saved tensors
     and hand each input its gradient (q, k, v, and attn_bias and sinks where they require it). In a plain eager
-    backward, ``direct(do, q, k, v, o, lse, dlse, scale, causal, mods, bias_grad)`` (the op's implementation,
-    returning None for absent gradients) runs instead: the dispatcher's Python costs as much as a small kernel."""
+    backward, ``direct(do, q, k, v, o, lse, dlse, scale, causal, mods, bias_grad, deterministic)`` (the op's
+    implementation, returning None for absent gradients) runs instead: the dispatcher's Python costs as much as a
+    small kernel. ``deterministic`` is False only where the forward's eager Function set ``ctx.deterministic``
+    (ops/forward.py); the ops' schemas have no such argument, so their backward is always deterministic."""
 
     def formula(ctx, do, dlse):
         q, k, v, o, lse, slopes, bias, sinks, rng, cu_q, cu_k = ctx.saved_tensors
@@ -395,7 +398,7 @@ def autograd_formula(backward_op, direct):
             do = torch.zeros_like(o)
         args = (do, q, k, v, o, lse, dlse, ctx.scale, ctx.causal)
         if _eager(do, q):
-            dq, dk, dv, dbias, dsinks = direct(*args, mods, bias_grad)
+            dq, dk, dv, dbias, dsinks = direct(*args, mods, bias_grad, getattr(ctx, "deterministic", True))
         elif mods is PLAIN:  # only the plain arguments: each further one costs the dispatcher time
             dq, dk, dv, dbias, dsinks = backward_op(*args)
         else:

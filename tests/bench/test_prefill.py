@@ -12,8 +12,8 @@ from onlineattn.cli import build_parser
 def test_defaults_measure_every_peer_on_the_grid():
     args = build_parser().parse_args(["bench", "prefill"])
     assert args.func is P.main and args.d is None and args.n is None and args.mode == "fwd"
-    assert args.providers == ["onlineattn", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "sdpa-math", "flex",
-                              "flash-attn", "flash-attn-cute"]
+    assert args.providers == ["onlineattn", "onlineattn-nondet", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient",
+                              "sdpa-math", "flex", "flash-attn", "flash-attn-cute"]
     assert (P.HEAD_DIMS, P.SEQLENS) == ((64, 128, 256), (512, 1024, 2048, 4096, 8192, 16384))
     assert len(P.grid()) == 36 and all(c.b * c.n == 16384 and c.h * c.d == 2048 for c in P.grid())
 

@@ -14,7 +14,7 @@ from onlineattn import reference as R
 from onlineattn._mods import PLAIN
 from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
-from onlineattn.ops._configs import _BWD_WS_DKDV, BWD_WS_MIN_KEYS, bwd_config
+from onlineattn.ops._configs import _BWD_WS_DKDV, BWD_FUSED_DQ_MIN_KEYS, BWD_WS_MIN_KEYS, bwd_config
 from tests.ops.test_backward import _baseline_grads
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,6 +43,40 @@ def test_table_routes_plain_half_d64_d128():
     assert not pick(dtype=torch.float32).dkdv.gluon
 
 
+def test_table_fuses_dq_only_where_allowed():
+    """dQ fused into the Gluon kernel at d = 128 from BWD_FUSED_DQ_MIN_KEYS rows and keys (per mask), only when the
+    call allows any summation order (``deterministic=False``); never at d = 64, below those lengths or with
+    deterministic=True (the default)."""
+    pick = lambda d=128, causal=False, n=16384, m=None, **kw: bwd_config(  # noqa: E731
+        d, d, torch.bfloat16, "cuda", causal=causal, seqlen_q=n if m is None else m, seqlen_k=n, **{"ws_ok": True, **kw})
+    for causal in (False, True):
+        least = BWD_FUSED_DQ_MIN_KEYS[128][causal]
+        assert pick(causal=causal, n=least, deterministic=False).dkdv == replace(_BWD_WS_DKDV[128], fused_dq=True)
+        for kept in (pick(causal=causal, n=least), pick(causal=causal, n=least, deterministic=True),
+                     pick(causal=causal, n=least - 1, deterministic=False),
+                     pick(causal=causal, n=least, m=least - 1, deterministic=False),
+                     pick(64, causal=causal, deterministic=False)):
+            assert not kept.dkdv.fused_dq
+    assert not pick(ws_ok=False, deterministic=False).dkdv.gluon
+
+
+def test_fused_dq_tile_needs_deterministic_false():
+    """An explicit fused_dq tile is refused (ValueError naming config) when the call must be deterministic: by
+    default, or under torch.use_deterministic_algorithms(True) even with deterministic=False."""
+    q, k, v, do = (torch.randn(1, 8, 2, 128, dtype=torch.bfloat16) for _ in range(4))
+    o, lse = F.forward(q, k, v, 0.1, False)
+    cfg = replace(bwd_config(128, 128, torch.bfloat16, "cuda"), dkdv=replace(_BWD_WS_DKDV[128], fused_dq=True))
+    with pytest.raises(ValueError, match="config: a fused_dq tile"):
+        B.backward(do, q, k, v, o, lse, 0.1, False, config=cfg)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with pytest.raises(ValueError, match="config: a fused_dq tile"):
+            B.backward(do, q, k, v, o, lse, 0.1, False, config=cfg, deterministic=False)
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def test_gluon_tile_is_refused_where_it_cannot_run():
     from onlineattn.ops import backward_sm90
 
@@ -63,9 +97,10 @@ import sys, torch, triton
 sys.path.insert(0, {bench!r})
 from probe_launch import Sm90NoLaunch
 triton.runtime.driver.set_active(Sm90NoLaunch())
+from dataclasses import replace
 from onlineattn.ops import backward_sm90
 from onlineattn.ops._configs import _BWD_WS_DKDV
-for d, causal in ((128, False), (64, True)):
+for d, causal, fused in ((128, False, False), (64, True, False), (128, True, True), (64, False, True)):
     q = torch.randn(2, 300, 8, d, dtype=torch.bfloat16)
     k = torch.randn(2, 300, 2, d, dtype=torch.bfloat16)
     lse = torch.randn(2, 8, 300)
@@ -74,9 +109,10 @@ for d, causal in ((128, False), (64, True)):
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = lambda *a, **kw: compiled.append(
         run(*a, **{{**kw, "warmup": True}}))
     backward_sm90.launch_dkdv(q, k, k, q, lse, lse, torch.empty_like(k), torch.empty_like(k), 0.1, causal,
-                              _BWD_WS_DKDV[d])
+                              replace(_BWD_WS_DKDV[d], fused_dq=fused), dq_acc=torch.zeros(2, 8, 320, d) if fused else None)
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = run
-    print(d, compiled[0].asm["ptx"].count("wgmma.mma_async"))
+    ptx = compiled[0].asm["ptx"]
+    print(d, ptx.count("wgmma.mma_async"), int("cp.reduce.async.bulk.tensor" in ptx))
 # one query row of one head: lse's batch stride is 1, an int Triton makes a constexpr (partition arguments must not be)
 q, k, lse = torch.randn(2, 1, 1, 64, dtype=torch.bfloat16), torch.randn(2, 3, 1, 64, dtype=torch.bfloat16), torch.randn(2, 1, 1)
 assert lse.stride(0) == 1
@@ -87,13 +123,14 @@ print("tiny")
 
 def test_kernel_compiles_for_sm90():
     """Gluon -> PTX -> cubin for sm_90: per warpgroup and row tile Sᵀ and dPᵀ (d / 16 wgmma each) and dV and dK
-    (64 rows / 16 each), nothing duplicated."""
+    (64 rows / 16 each), nothing duplicated; fused_dq adds dQ's half (128 keys / 16, in the loop and once after it
+    for the last tile) and its float32 TMA reduce-adds."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["128", "48", "64", "32", "tiny"], out.stdout
+    assert out.stdout.split() == ["128", "48", "0", "64", "32", "0", "128", "80", "1", "64", "64", "1", "tiny"], out.stdout
 
 
 SHAPES = [  # b, sq, sk, hq, hkv
@@ -112,15 +149,16 @@ SHAPES = [  # b, sq, sk, hq, hkv
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("fused", [False, True], ids=["dq-kernel", "fused-dq"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_oracle(shape, causal, dtype, d):
+def test_matches_oracle(shape, fused, causal, dtype, d):
     b, sq, sk, hq, hkv = shape
     g = torch.Generator().manual_seed(sum(shape) + d + causal)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", dtype)
                    for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
     o, lse = F.forward(q, k, v, d**-0.5, causal)
-    cfg = replace(bwd_config(d, d, dtype, "cuda", causal=causal), dkdv=_BWD_WS_DKDV[d])
-    dq, dk, dv = B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=cfg)
+    cfg = replace(bwd_config(d, d, dtype, "cuda", causal=causal), dkdv=replace(_BWD_WS_DKDV[d], fused_dq=fused))
+    dq, dk, dv = B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=cfg, deterministic=not fused)
     exact = R.naive_attention_backward(q, k, v, do, causal=causal)
     base = _baseline_grads(q, k, v, do, causal)
     for name, got, want, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), exact, base):
@@ -130,7 +168,8 @@ def test_matches_oracle(shape, causal, dtype, d):
 @gpu
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
-def test_repeat_relaunches_bitwise(causal, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["dq-kernel", "fused-dq"])
+def test_repeat_relaunches_bitwise(causal, fused, monkeypatch):
     """A plain call seen before relaunches its kept launches (the Gluon dK/dV one among them, around fresh
     descriptors) with new tensors, and gives bitwise what the full path gave."""
     from onlineattn.ops import backward_sm90
@@ -143,12 +182,16 @@ def test_repeat_relaunches_bitwise(causal, monkeypatch):
     q, k, v, do = (torch.randn(2, n, h, 128, generator=g).to("cuda", torch.bfloat16)
                    for n, h in ((300, 4), (300, 2), (300, 2), (300, 4)))
     o, lse = F.forward(q, k, v, 0.1, causal)
-    cfg = replace(bwd_config(128, 128, torch.bfloat16, "cuda", causal=causal), dkdv=_BWD_WS_DKDV[128])
-    first = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg)
-    again = B.backward(*(x.clone() for x in (do, q, k, v, o, lse)), 0.1, causal, config=cfg)
+    cfg = replace(bwd_config(128, 128, torch.bfloat16, "cuda", causal=causal),
+                  dkdv=replace(_BWD_WS_DKDV[128], fused_dq=fused))
+    first = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg, deterministic=not fused)
+    again = B.backward(*(x.clone() for x in (do, q, k, v, o, lse)), 0.1, causal, config=cfg, deterministic=not fused)
     assert len(starts) == 1 and len(B._STEPS) == 1  # the second call was a repeat
-    for a, b in zip(first, again):
-        assert torch.equal(a, b)
+    assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
+    if fused:  # float32 reduce-adds in any order: equal up to the last bits of float32 before the rounding to bf16
+        torch.testing.assert_close(first[0].float(), again[0].float(), rtol=2**-7, atol=1e-6)
+    else:
+        assert torch.equal(first[0], again[0])
 
 
 @gpu
@@ -162,3 +205,33 @@ def test_d256_gluon_tile_is_refused():
     cfg = replace(bwd_config(256, 256, torch.bfloat16, "cuda"), dkdv=_BWD_WS_DKDV[128])
     with pytest.raises(ValueError, match="config"):
         B.backward(do, q, k, v, o, lse, 0.1, False, config=cfg)
+
+
+@gpu
+@sm90
+def test_table_fused_dq_follows_the_call(monkeypatch):
+    """Through the table at d = 128 and N = BWD_FUSED_DQ_MIN_KEYS: deterministic=False launches the fused kernel,
+    deterministic=True and torch's deterministic mode the dQ kernel (bitwise reproducible); each choice is kept as
+    its own repeatable step, so a later call never reuses the other's launches."""
+    from onlineattn.ops import backward_sm90
+
+    monkeypatch.setattr(B, "_STEPS", {})
+    fused = []
+    start = backward_sm90.start
+    monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: fused.append(kw["FUSED_DQ"]) or start(*a, **kw))
+    n = BWD_FUSED_DQ_MIN_KEYS[128][False]
+    g = torch.Generator().manual_seed(11)
+    q, k, v, do = (torch.randn(1, n, 2, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
+    o, lse = F.forward(q, k, v, 0.1, False)
+    loose = B.backward(do, q, k, v, o, lse, 0.1, False, deterministic=False)
+    exact = B.backward(do, q, k, v, o, lse, 0.1, False)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        forced = B.backward(do, q, k, v, o, lse, 0.1, False, deterministic=False)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert fused == [True, False] and len(B._STEPS) == 2  # the forced call repeated the deterministic step
+    assert all(torch.equal(a, b) for a, b in zip(exact, forced))
+    assert torch.equal(loose[1], exact[1]) and torch.equal(loose[2], exact[2])  # dK, dV: the same kernel's sums
+    torch.testing.assert_close(loose[0], exact[0], rtol=2**-6, atol=2**-10)

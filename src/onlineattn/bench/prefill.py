@@ -74,6 +74,13 @@ def _ours(q, k, v, causal):
     return attention(q, k, v, causal=causal, backend="triton")
 
 
+def _ours_any_order(q, k, v, causal):
+    """``deterministic=False`` (flash-attn's default): the backward may sum dQ in no fixed order where faster."""
+    from ..api import attention
+
+    return attention(q, k, v, causal=causal, deterministic=False, backend="triton")
+
+
 def _ours_window(window: int):
     from ..api import attention
 
@@ -141,6 +148,7 @@ def _flash_attn(module_name: str):
 # name -> setup() returning fn(q, k, v, causal) -> o; setup raises ImportError (or RuntimeError) where unavailable
 PROVIDER_SETUPS = {
     "onlineattn": lambda: _ours,
+    "onlineattn-nondet": lambda: _ours_any_order,
     "sdpa-flash": lambda: _sdpa("FLASH_ATTENTION"),
     "sdpa-cudnn": lambda: _sdpa("CUDNN_ATTENTION"),
     "sdpa-efficient": lambda: _sdpa("EFFICIENT_ATTENTION"),

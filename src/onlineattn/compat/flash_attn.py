@@ -12,7 +12,8 @@ A keyword is handed to onlineattn only where it differs from flash-attn's defaul
 behind it takes that keyword; otherwise the call raises ``NotImplementedError`` naming it. So features that onlineattn
 gains later (issue #6: ``window_size``, ``softcap``, ``alibi_slopes``, ``dropout_p``, ``attention_varlen``) work here
 without changes. Beyond flash-attn: any float dtype, any device, ``Dv != D``, head dims up to 256, page sizes that are
-multiples of 16. ``deterministic`` is accepted and ignored: onlineattn's backward is always deterministic.
+multiples of 16. ``deterministic`` keeps flash-attn's meaning and default (False: the backward may sum dQ in no
+fixed order where that is faster; ``onlineattn.attention`` says where).
 """
 
 from __future__ import annotations

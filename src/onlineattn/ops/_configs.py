@@ -152,6 +152,8 @@ class BwdTile:
     split_scores: bool = False  # dK/dV only: score tiles split across warpgroups (backward.py, SPLIT_SCORES)
     gluon: bool = False  # dK/dV only: the warp-specialized Hopper kernel (backward_sm90.py): block_n = 128 keys over
     #                      two 4-warp warpgroups, block_m = 64-row tiles of one head, num_stages Q/dO stages
+    fused_dq: bool = False  # gluon only: that kernel also adds dQ (TMA reduce-adds into float32, in no fixed order:
+    #                         not deterministic), and no dQ kernel runs
 
 
 @dataclass(frozen=True)
@@ -211,13 +213,25 @@ _BWD_FP32_D256 = BwdConfig(BwdTile(16, 16, 4, 1), BwdTile(16, 16, 4, 1))
 #   dQ 4.99 ms (3 of 7: about 660): each near the matmul ceiling; what is left is the recomputed QKᵀ and dO·Vᵀ.
 _BWD_WS_DKDV = {64: BwdTile(64, 128, 4, 2, tma=True, gluon=True), 128: BwdTile(64, 128, 4, 2, tma=True, gluon=True)}
 BWD_WS_MIN_KEYS = {64: (512, 1024), 128: (512, 4096)}
+# - dQ fused into the Gluon dK/dV kernel (session 20, branch ws-fused-dq v3; the NOTES' v12): per row tile each
+#   warpgroup computes dQ's half of the columns from both warpgroups' dSᵀ (shared memory) one row tile behind, and
+#   adds it into a float32 accumulator by TMA reduce-add; no dQ kernel, so no recomputed QKᵀ and dO·Vᵀ (5 matmuls,
+#   not 7). Whole backward, bf16, B·N = 16k, fused against Gluon dK/dV + Triton dQ (.devrun/bsweep3.py):
+#   - d = 128 non-causal N = 1024 / 4096 / 16384: 352 / 464 / 503 against 362 / 432 / 455; causal 244 / 405 / 488
+#     against 262 / 382 / 443;
+#   - d = 64 non-causal 290 / 372 / 407 against 325 / 384 / 398; causal 201 / 317 / 383 against 240 / 334 / 379.
+#   The reduce order varies run to run, so only launches that allow it (``deterministic=False`` and torch's
+#   deterministic mode off) take it: at d = 128 from 4096 rows and keys (both masks). v2 (atomics in place of the
+#   TMA reduces) lost everywhere (d = 128 N = 16384: 444 against 462).
+BWD_FUSED_DQ_MIN_KEYS = {128: (4096, 4096)}
 
 
 def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *,
                causal: bool = False, ws_ok: bool = False, seqlen_q: int | None = None,
-               seqlen_k: int | None = None) -> BwdConfig:
+               seqlen_k: int | None = None, deterministic: bool = True) -> BwdConfig:
     """The tiles of a backward launch; ``ws_ok``: the Hopper dK/dV kernel can run it (``backward.ws_ok``);
-    ``seqlen_q``/``seqlen_k``: query rows / keys per sequence (None: unknown, and the Hopper kernel is not taken)."""
+    ``seqlen_q``/``seqlen_k``: query rows / keys per sequence (None: unknown, and the Hopper kernel is not taken);
+    ``deterministic``: only bitwise-reproducible tiles (no fused dQ)."""
     if device_type != "cuda":
         return _BWD_INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
@@ -225,8 +239,12 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
         return _BWD_FP32_D256 if padded > 128 else _BWD_FP32_SMALL
     cfg = (_BWD_CUDA_CAUSAL if causal else _BWD_CUDA)[padded]
     ws = _BWD_WS_DKDV.get(head_dim) if ws_ok and head_dim == head_dim_v else None
-    if ws is None or min(seqlen_q or 0, seqlen_k or 0) < BWD_WS_MIN_KEYS[head_dim][causal]:
+    shortest = min(seqlen_q or 0, seqlen_k or 0)
+    if ws is None or shortest < BWD_WS_MIN_KEYS[head_dim][causal]:
         return cfg
+    fused_from = BWD_FUSED_DQ_MIN_KEYS.get(head_dim)
+    if not deterministic and fused_from is not None and shortest >= fused_from[causal]:
+        ws = replace(ws, fused_dq=True)
     return replace(cfg, dkdv=ws)
 
 

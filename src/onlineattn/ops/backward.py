@@ -402,18 +402,21 @@ def _dq_block(
     return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=INPUT_PRECISION)
 
 
-def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out=None, config=None):
+def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out=None, config=None,
+             deterministic: bool = True):
     """Gradients ``(dq, dk, dv)`` in the inputs' dtypes. Shapes as the forward: q ``[B, Sq, Hq, D]``,
     k ``[B, Sk, Hkv, D]``, v ``[B, Sk, Hkv, Dv]``, o and do ``[B, Sq, Hq, Dv]``, lse and dlse ``[B, Hq, Sq]``.
 
     ``out`` is an optional ``(dq, dk, dv)`` of buffers of those shapes, last dim contiguous, in any float dtype the
     kernels store to: ring attention passes float32 buffers so each block's gradients are summed before rounding.
-    ``config`` (a ``BwdConfig``) overrides the table, for the tile sweep."""
-    return gradients(do, q, k, v, o, lse, scale, causal, dlse, out=out, config=config)[:3]
+    ``config`` (a ``BwdConfig``) overrides the table, for the tile sweep. ``deterministic=False`` lets the table
+    pick a tile whose dQ sums in no fixed order (``fused_dq``), unless torch's deterministic mode is on."""
+    return gradients(do, q, k, v, o, lse, scale, causal, dlse, out=out, config=config,
+                     deterministic=deterministic)[:3]
 
 
 def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out=None, config=None,
-              mods: Mods = PLAIN, bias_grad: bool = False):
+              mods: Mods = PLAIN, bias_grad: bool = False, deterministic: bool = True):
     """``(dq, dk, dv, dbias, dsinks)``: ``backward``'s gradients with the score variants of ``mods``; ``dbias`` (in
     attn_bias's shape and dtype, from the separate kernel of ``bias_grad.py``) only with ``bias_grad``, ``dsinks``
     (``[Hq]``, ``-Σ_rows exp(sink − lse) · delta``) only with sinks; None otherwise. With varlen ``mods`` every
@@ -426,8 +429,9 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     if any(x.stride(-1) != 1 for x in (dq, dk, dv)):
         raise ValueError("the out buffers (dq, dk, dv) must be contiguous in their last dim")
     dlse = None if dlse is None else dlse.contiguous()
+    exact = deterministic or torch.are_deterministic_algorithms_enabled()
     if (mods is PLAIN and not bias_grad and launch_cache.enabled
-            and _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config)):
+            and _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, (config, exact))):
         return dq, dk, dv, None, None
     if mods.varlen:  # packed [1, total, H, D] views, as in the forward
         q, k, v, o, do, dq, dk, dv = (x[None] for x in (q, k, v, o, do, dq, dk, dv))
@@ -442,7 +446,11 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
         delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
         hopper = ws_ok(do, q, k, v, mods)
         cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, causal=causal,
-                                   ws_ok=hopper and not mods.varlen, seqlen_q=sq, seqlen_k=k.shape[1])
+                                   ws_ok=hopper and not mods.varlen, seqlen_q=sq, seqlen_k=k.shape[1],
+                                   deterministic=exact)
+        if cfg.dkdv.fused_dq and exact:
+            raise ValueError("config: a fused_dq tile sums dQ in no fixed order; it needs deterministic=False and "
+                             "torch's deterministic algorithms off")
         if cfg.dkdv.gluon and not hopper:
             raise ValueError("config: a gluon dK/dV tile runs only plain half-precision calls on sm_90 with equal "
                              "head dims and TMA-aligned q, k, v and do")
@@ -472,7 +480,7 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
                     kernels = _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys,
                                       mods, keep)
                     if keep:
-                        _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config,
+                        _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, (config, exact),
                                   _Step(cfg, tma_rows, tma_keys, pre, *kernels))
                     continue
                 _preprocess(o[rows], do[rows], lse[rows], None if dlse is None else dlse[rows], delta[rows])
@@ -539,7 +547,12 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     scalars = (sq, sk, hkv, scale * LOG2E, scale)
     t = cfg.dkdv
     if t.gluon:
-        grid_dkdv, dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep)
+        dq_acc = _dq_accumulator(dq, t) if t.fused_dq else None
+        grid_dkdv, dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep,
+                                                    dq_acc=dq_acc)
+        if t.fused_dq:  # dQ came with dK and dV: scale it into dq, and no dQ kernel runs
+            torch.mul(dq_acc[:, :, : dq.shape[1]].transpose(1, 2), scale, out=dq)
+            return (grid_dkdv, dkdv), (None, None)
     else:
         q_arg, do_arg = q, do
         if tma_rows:
@@ -566,6 +579,12 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     return (grid_dkdv, dkdv), (grid_dq, dq_kernel)
 
 
+def _dq_accumulator(dq, tile):
+    """Zeroed float32 dQ ``[B, Hq, Sq rounded up to the row tile, D]`` for a ``fused_dq`` kernel's TMA reduces."""
+    b, sq, hq, d = dq.shape
+    return torch.zeros((b, hq, cdiv(sq, tile.block_m) * tile.block_m, d), dtype=torch.float32, device=dq.device)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Repeats. A training loop runs the backward with the same shapes every step, so a plain whole-batch call keeps its
 # choices (tile, descriptor use) and its three launches (``_Step``), keyed by the metadata they depend on; a repeat
@@ -586,26 +605,30 @@ _STEPS: dict = {}
 _MAX_STEPS = 256  # shapes a training process sees are few; past this the table starts over
 
 
-def _step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config):
+def _step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing):
     """Everything a plain whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars
-    (with their types: an int scale specialises differently), and the base alignment of the tensors that may go
-    through descriptors (``_tma_ok`` reads it)."""
+    (with their types: an int scale specialises differently), the base alignment of the tensors that may go
+    through descriptors (``_tma_ok`` reads it), and ``routing``: (the explicit config or None, whether the call
+    must be deterministic)."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), do.shape,
             do.stride(), lse.shape, lse.stride(), dq.shape, dq.stride(), dk.shape, dk.stride(), dv.shape, dv.stride(),
             q.dtype, k.dtype, v.dtype, o.dtype, do.dtype, lse.dtype, dq.dtype, dk.dtype, dv.dtype, q.device,
             None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype), scale, type(scale), causal,
-            type(causal), config, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, do.data_ptr() % 16)
+            type(causal), routing, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, do.data_ptr() % 16)
 
 
-def _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config, step: _Step) -> None:
-    bounded_put(_STEPS, _step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config), step, _MAX_STEPS)
+def _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing, step: _Step) -> None:
+    bounded_put(_STEPS, _step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing), step, _MAX_STEPS)
 
 
-def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> bool:
+def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bool:
     """Launch a plain backward seen before through its kept launches; False, launching nothing, where there is no
     step for this metadata or one of its launches cannot be repeated."""
-    step = _STEPS.get(_step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config))
-    if step is None or step.pre[1] is None or step.dkdv[1] is None or step.dq[1] is None:
+    step = _STEPS.get(_step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing))
+    if step is None or step.pre[1] is None or step.dkdv[1] is None:
+        return False
+    fused = step.cfg.dkdv.fused_dq  # no dQ launch: dQ comes with dK and dV
+    if not fused and step.dq[1] is None:
         return False
     b, sq, hq, d = q.shape
     hkv, dv_dim = k.shape[2], v.shape[3]
@@ -615,22 +638,28 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, config) -> boo
     if step.tma_rows and not step.cfg.dkdv.gluon:
         rows = step.cfg.dkdv.block_m // group
         q_arg, do_arg = descriptor(q, rows, group, block_d), descriptor(do, rows, group, block_dv)
-    if step.tma_keys:
+    if step.tma_keys and not fused:
         keys = step.cfg.dq.block_n
         k_arg, v_arg = descriptor(k, keys, 1, block_d), descriptor(v, keys, 1, block_dv)
     (grid_pre, pre), (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.pre, step.dkdv, step.dq
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     arrays_pre = (o, do, lse if dlse is None else dlse, delta)
+    dq_acc = _dq_accumulator(dq, step.cfg.dkdv) if fused else None
     if step.cfg.dkdv.gluon:
-        arrays_dkdv = (*backward_sm90.descriptors(q, k, v, do, step.cfg.dkdv), lse, delta, dk, dv)
+        descriptors = backward_sm90.descriptors(q, k, v, do, step.cfg.dkdv)
+        dq_arg = backward_sm90.dq_descriptor(dq_acc, step.cfg.dkdv, q.shape[-1], q.device)
+        arrays_dkdv = (*descriptors, lse, delta, dk, dv, dq_arg)
     else:
         arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
     arrays_dq = (q, k_arg, v_arg, do, lse, delta, dq)
-    if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and dq_kernel.ready(arrays_dq)):
+    if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and (fused or dq_kernel.ready(arrays_dq))):
         return False
     pre.go(grid_pre, arrays_pre)
     dkdv.go(grid_dkdv, arrays_dkdv)
-    dq_kernel.go(grid_dq, arrays_dq)
+    if fused:
+        torch.mul(dq_acc[:, :, : dq.shape[1]].transpose(1, 2), scale, out=dq)
+    else:
+        dq_kernel.go(grid_dq, arrays_dq)
     return True
 
 

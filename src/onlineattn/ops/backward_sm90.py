@@ -13,11 +13,20 @@ mbarriers, so both warpgroups read each tile once from shared memory. Per tile a
 and the group's sum stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton kernel, whose
 delta pass and dQ kernel this one runs beside. Plain attention only: float16/bfloat16, equal head dims (64 or 128),
 TMA-able strides, ``backward.py`` routes a launch here when ``bwd_config`` picks a ``gluon`` dK/dV tile.
+
+With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
+issues dQ = dS K for half of dQ's columns over all 128 keys behind that tile's dV and dK, and adds the result into
+a float32 accumulator by a TMA reduce-add (``cp.reduce.async.bulk.tensor``). The programs' adds land in no fixed
+order, so the table takes it only for calls that allow that (``deterministic=False``).
 """
 
+import functools
+
 import torch
+from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin as _builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
@@ -31,12 +40,25 @@ HEAD_DIMS = (64, 128)  # what this kernel is built and tested for (d = 256's dK 
 KEYS_PER_WARPGROUP = 64
 
 
+@_builtin
+def _tma_reduce_add(desc, coord, value, _semantic=None):
+    """Add register tensor ``value`` (the descriptor's block shape) into global memory at ``coord`` by a TMA
+    reduce (``tt.descriptor_reduce``: the TMA lowering stages it through shared memory and issues
+    ``cp.reduce.async.bulk.tensor``). Triton 3.6's Gluon exposes no such call."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    return _semantic.tensor(
+        _semantic.builder.create_descriptor_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle, coord),
+        gl.void)
+
+
 @gluon.jit
-def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV,
+def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQ,
                                    stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
-                                   stride_dvb, stride_dvs, stride_dvh, seqlen_q, seqlen_k, heads_kv, qk_scale,
+                                   stride_dvb, stride_dvs, stride_dvh, dq_rows, dq_heads,
+                                   seqlen_q, seqlen_k, heads_kv, qk_scale,
                                    sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr):
+                                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
+                                   FUSED_DQ: gl.constexpr):
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
     off_b = pid_bh // heads_kv
@@ -61,10 +83,19 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    # With FUSED_DQ: both warpgroups' dSᵀ of a row tile ([128 keys, 64 rows], two buffers), for dQ = dS K over all 128
+    # keys (each warpgroup half of dQ's columns); "ds_ready" counts the two halves written, "ds_free" the two reads.
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
+    ds_smem = gl.allocate_shared_memory(dtype, [2 if FUSED_DQ else 1, BLOCK_N, BLOCK_M], ds_layout)
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2)  # the copies' expect-tx arrival, then the row statistics' one
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=2)
+        mbarrier.init(ds_free.index(i), count=2)
     fence_async_shared()
 
     # Partition arguments must be IR values: an int argument equal to 1 arrives as a constexpr (lse's batch stride is
@@ -81,13 +112,16 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     stride_dvh = gl.to_tensor(stride_dvh)
     smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty)
     where = (off_b, off_hkv, n0, lo, row_tiles, seqlen_q)
-    consumer = smem + where + (DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                               seqlen_k, qk_scale, sm_scale)
+    dq_rows = gl.to_tensor(dq_rows)
+    dq_heads = gl.to_tensor(dq_heads)
+    consumer = smem + (ds_smem, ds_ready, ds_free) + where + (
+        DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, dq_rows, dq_heads,
+        seqlen_k, qk_scale, sm_scale)
     gl.warp_specialize([
-        (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
-        (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
+        (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
+        (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
         (_producer, (q_desc, k_desc, v_desc, do_desc) + smem + where
-         + (LSE, DELTA, stride_lb, stride_lh, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP))),
+         + (LSE, DELTA, stride_lb, stride_lh, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ))),
     ], [4, 1], [240, 24])
 
 
@@ -120,10 +154,12 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, off_b, off_hkv, n0, lo,
-              row_tiles, seqlen_q, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-              seqlen_k, qk_scale, sm_scale, tile):
-    """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale)."""
+def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_smem, ds_ready, ds_free,
+              off_b, off_hkv, n0, lo, row_tiles, seqlen_q, DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb,
+              stride_dvs, stride_dvh, dq_rows, dq_heads, seqlen_k, qk_scale, sm_scale, tile):
+    """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale). With
+    FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to the float32
+    accumulator (unscaled) by TMA reduces, one row tile behind."""
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     STAGES: gl.constexpr = tile.STAGES
@@ -132,19 +168,26 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    HALF_D: gl.constexpr = D // 2
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_D, 16])
     dtype: gl.constexpr = q_smem.dtype
     key0 = n0 + tile.WG * 64
     keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
     diag = seqlen_k - seqlen_q
     full_from = key0 + 63 - diag  # row tiles starting here see every key of this warpgroup
     zero_st = gl.zeros([64, BLOCK_M], gl.float32, layout=st_layout)
+    zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
     dk = gl.zeros([64, D], gl.float32, layout=kv_layout)
     dv = gl.zeros([64, D], gl.float32, layout=kv_layout)
 
     mbarrier.wait(kv_bar, 0)
     k = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
     v = v_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
-    for t in range(row_tiles * tile.GROUP):
+    k_cols = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * HALF_D, HALF_D, dim=1)  # dQ's B operand: its columns
+    partial = key0 + 64 > seqlen_k  # keys past the end: zero-filled K and V, but P must be 0 there for dS
+    n_tiles = row_tiles * tile.GROUP
+    for t in range(n_tiles):
         stage = t % STAGES
         m = lo + (t % row_tiles) * BLOCK_M
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
@@ -159,13 +202,40 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
             if m < full_from:
                 rows = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
                 pt = gl.where(keys[:, None] <= rows[None, :] + diag, pt, 0.0)
+        if tile.FUSED_DQ:
+            if partial:
+                pt = gl.where(keys[:, None] < seqlen_k, pt, 0.0)
         dst = pt * (dpt - delta_smem.index(stage).load(gl.SliceLayout(0, st_layout))[None, :])
         pt_op = gl.convert_layout(pt.to(dtype), a_layout)
         dst_op = gl.convert_layout(dst.to(dtype), a_layout)
+        if tile.FUSED_DQ:
+            buf = t % 2  # this tile's dSᵀ, once both warpgroups have read the buffer's last tile (two tiles ago)
+            mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
+            ds_smem.index(buf).slice(tile.WG * 64, 64).store(dst.to(dtype))
+            fence_async_shared()
+            mbarrier.arrive(ds_ready.index(buf), count=1)
         dv = warpgroup_mma(pt_op, do, dv, is_async=True)
         dk = warpgroup_mma(dst_op, q, dk, is_async=True)
-        dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
-        mbarrier.arrive(empty.index(stage), count=1)
+        if tile.FUSED_DQ:
+            # The previous tile's dQ behind this tile's dV and dK: the other warpgroup wrote its half of that dSᵀ
+            # a tile ago, so the two rarely wait for each other. At t = 0 nothing waits, arrives or is added.
+            pbuf = (t + 1) % 2  # (t - 1) % 2 from t = 1
+            mbarrier.wait(ds_ready.index(pbuf), ((t + 1) // 2 + 1) & 1, pred=t > 0)  # parity of use (t - 1) // 2
+            dq = warpgroup_mma(ds_smem.index(pbuf).permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
+            dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
+            mbarrier.arrive(empty.index(stage), count=1)
+            mbarrier.arrive(ds_free.index(pbuf), count=1, pred=t > 0)
+            _add_dq(dq, DQ, off_b, off_hkv, t - 1, lo, row_tiles, dq_rows, dq_heads, t > 0, tile)
+        else:
+            dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
+            mbarrier.arrive(empty.index(stage), count=1)
+    if tile.FUSED_DQ:  # the last tile's dQ (nothing when there was no tile)
+        last = gl.maximum(n_tiles - 1, 0)
+        mbarrier.wait(ds_ready.index(last % 2), (last // 2) & 1, pred=n_tiles > 0)
+        dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq,))
+        mbarrier.arrive(ds_free.index(last % 2), count=1, pred=n_tiles > 0)
+        _add_dq(dq, DQ, off_b, off_hkv, last, lo, row_tiles, dq_rows, dq_heads, n_tiles > 0, tile)
 
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
     out_keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
@@ -176,6 +246,17 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
     gl.store(p_dv + cols[None, :], dv.to(DV.dtype.element_ty), mask=keep)
 
 
+@gluon.jit
+def _add_dq(dq, dq_desc, off_b, off_hkv, t, lo, row_tiles, rows_per_head, heads_q, valid, tile):
+    """Add row tile ``t``'s dQ columns of this warpgroup (``dq [BLOCK_M, D/2]``) into the accumulator (float32
+    ``[B · Hq · rows_per_head, D]``; each head's rows padded to whole tiles, so a tile never reaches the next head's
+    rows) by a TMA reduce, where ``valid``."""
+    head = off_hkv * tile.GROUP + t // row_tiles
+    row0 = (off_b * heads_q + head) * rows_per_head + lo + (t % row_tiles) * tile.BLOCK_M
+    if valid:
+        _tma_reduce_add(dq_desc, [row0, tile.WG * (tile.HEAD_DIM // 2)], dq)
+
+
 def descriptors(q, k, v, do, tile) -> tuple:
     """Q's, K's, V's and dO's descriptors for ``tile``: a row tile of one head, a key block of one kv head."""
     d = q.shape[-1]
@@ -183,26 +264,49 @@ def descriptors(q, k, v, do, tile) -> tuple:
     return descriptor(q, rows_block), descriptor(k, keys_block), descriptor(v, keys_block), descriptor(do, rows_block)
 
 
-def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False):
+def dq_descriptor(dq_acc, tile, d: int, device):
+    """The kernel's dQ argument: a descriptor over ``dq_acc`` seen as ``[rows, D]`` with boxes of one row tile and
+    half the columns; without ``dq_acc`` (not fused) a placeholder the kernel never reads."""
+    if dq_acc is None:
+        return _placeholder(tile.block_m, d, device)
+    return descriptor(dq_acc.view(-1, d), (tile.block_m, d // 2))
+
+
+@functools.cache
+def _placeholder(rows: int, d: int, device):
+    return descriptor(torch.zeros((rows, d), dtype=torch.float32, device=device), (rows, d // 2))
+
+
+def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None):
     """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
-    and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous).
-    Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept for repeats with new arrays
-    (``descriptors(q, k, v, do, tile), lse, delta, dk, dv``)."""
+    and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous). A
+    ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Hq, Sq rounded up to the
+    row tile, D]``, contiguous, zeroed by the
+    caller). Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept for repeats with new arrays
+    (``descriptors(q, k, v, do, tile), lse, delta, dk, dv, dq_acc``; dk in dq_acc's place when not fused)."""
     if tile.block_m != KEYS_PER_WARPGROUP or tile.block_n != 2 * KEYS_PER_WARPGROUP or tile.num_warps != 4:
         raise ValueError(f"config: the Hopper dK/dV kernel runs 128 keys over two 4-warp warpgroups and 64-row "
                          f"tiles, not {tile}")
+    if tile.fused_dq != (dq_acc is not None):
+        raise ValueError("dq_acc: a fused_dq tile needs the float32 dQ accumulator, and only it takes one")
     if delta.stride() != lse.stride():
         raise ValueError(f"delta: the kernel reads it with lse's strides {lse.stride()}, not {delta.stride()}")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     grid = (cdiv(sk, tile.block_n), b * hkv)
     q_desc, k_desc, v_desc, do_desc = descriptors(q, k, v, do, tile)
+    rows_per_head = cdiv(sq, tile.block_m) * tile.block_m
+    if dq_acc is not None and (dq_acc.shape != (b, hq, rows_per_head, d) or not dq_acc.is_contiguous()):
+        raise ValueError(f"dq_acc: a contiguous float32 [B, Hq, Sq rounded up to {tile.block_m}, D] = "
+                         f"{(b, hq, rows_per_head, d)}, not {tuple(dq_acc.shape)}")
+    dq_arg = dq_descriptor(dq_acc, tile, d, q.device)
+    dq_strides = (rows_per_head, hq)
     kept = start(
-        keep, attention_bwd_dkdv_sm90_kernel, grid, 8,
-        q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, lse.stride(0), lse.stride(1),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
+        keep, attention_bwd_dkdv_sm90_kernel, grid, 9,
+        q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, dq_arg, lse.stride(0), lse.stride(1),
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *dq_strides,
         sq, sk, hkv, scale * LOG2E, scale,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
-        GROUP=hq // hkv, num_warps=4,
+        GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, num_warps=4,
     )
     return grid, kept

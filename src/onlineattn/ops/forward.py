@@ -466,10 +466,11 @@ def _backward_op(*args):
     return attention_bwd(*args)
 
 
-def _backward_direct(do, q, k, v, o, lse, dlse, scale, causal, mods, bias_grad):
+def _backward_direct(do, q, k, v, o, lse, dlse, scale, causal, mods, bias_grad, deterministic):
     from .backward import gradients
 
-    return gradients(do, q, k, v, o, lse, scale, causal, dlse, mods=mods, bias_grad=bias_grad)
+    return gradients(do, q, k, v, o, lse, scale, causal, dlse, mods=mods, bias_grad=bias_grad,
+                     deterministic=deterministic)
 
 
 _formula = autograd_formula(_backward_op, _backward_direct)
@@ -490,19 +491,30 @@ class _EagerAttention(torch.autograd.Function):
     backward = staticmethod(_formula)
 
 
-def attention(q, k, v, scale: float, causal: bool, mods: Mods = PLAIN):
+class _EagerAttentionAnyOrder(_EagerAttention):
+    """``_EagerAttention`` for ``deterministic=False``: its backward may take a tile that sums dQ in no fixed order
+    (``fused_dq``, backward.py)."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        ctx.deterministic = False
+        return _EagerAttention.forward(ctx, *args)
+
+
+def attention(q, k, v, scale: float, causal: bool, mods: Mods = PLAIN, deterministic: bool = True):
     """Fused attention on the Triton path: ``(o, lse)``, differentiable.
 
     Through the custom op when torch.compile, a functorch transform (vmap: its tensors have no storage to launch on)
     or a tensor subclass is involved. Otherwise the launcher runs directly (under ``_EagerAttention`` when autograd
     needs a graph), which saves the dispatcher's Python overhead (tens of microseconds, as long as a whole
-    small-shape kernel).
+    small-shape kernel). ``deterministic=False`` lets that eager backward sum dQ in no fixed order where it is
+    faster (backward.py); through the custom op the backward stays deterministic.
     """
     tensors = (q, k, v, mods.attn_bias, mods.sinks)
     needs_graph = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
     if needs_graph or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         args = (q, k, v, scale, causal) if mods is PLAIN else (q, k, v, scale, causal, *mods.op_args())
         if needs_graph and plain_eager(*tensors, mods.alibi_slopes, mods.rng, mods.cu_seqlens_q, mods.cu_seqlens_k):
-            return _EagerAttention.apply(*args)
+            return (_EagerAttention if deterministic else _EagerAttentionAnyOrder).apply(*args)
         return attention_fwd(*args)
     return forward(q, k, v, scale, causal, mods=mods)

@@ -45,9 +45,10 @@ class Tile:
     STAGES: gl.constexpr
     CAUSAL: gl.constexpr
     GROUP: gl.constexpr  # query heads per kv head where it is a constant (the dK/dV kernel); the forward's is not: 1
+    FUSED_DQ: gl.constexpr  # the dK/dV kernel also reduces dQ (backward_sm90.py); the forward: False
 
     @gluon.constexpr_function
-    def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1):
+    def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -55,6 +56,7 @@ class Tile:
         self.STAGES = gl.constexpr(STAGES)
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.GROUP = gl.constexpr(GROUP)
+        self.FUSED_DQ = gl.constexpr(FUSED_DQ)
 
 
 @gluon.jit
@@ -276,7 +278,7 @@ def _softmax(s, m_i, l_i, start_n, rows, seqlen_k, diag, mask_from, qk_scale, CA
 
 @functools.cache
 def _shared_layout(block: tuple, dtype: torch.dtype):
-    element = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
+    element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), element)
 
 
