@@ -14,7 +14,7 @@ from tests.ops.test_forward import _check, _check_rows, _inputs, _run_poisoned
 
 from onlineattn._mods import PLAIN
 from onlineattn.ops import forward as F
-from onlineattn.ops._configs import _FWD_WS, WS_MIN_KEYS, fwd_config
+from onlineattn.ops._configs import _FWD_WS, WS_CAUSAL_PERSISTENT_BELOW, WS_MIN_KEYS, fwd_config
 
 ROOT = Path(__file__).resolve().parents[2]
 sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
@@ -23,18 +23,23 @@ gpu = pytest.mark.gpu
 
 
 def test_table_routes_plain_half_d64_d128_d256():
-    """d = 64, 128 and 256 in half precision from WS_MIN_KEYS rows and keys (per mask); never without ws_ok, variants, for
-    other head dims, unequal head dims, float32 or an unknown length."""
+    """d = 64, 128 and 256 in half precision from WS_MIN_KEYS rows and keys (per mask), causal launches persistent
+    below WS_CAUSAL_PERSISTENT_BELOW and one program per tile from it; never without ws_ok, variants, for other head
+    dims, unequal head dims, float32 or an unknown length."""
     pick = lambda d=128, dv=None, dtype=torch.bfloat16, causal=False, sk=4096, **kw: fwd_config(  # noqa: E731
         d, dv or d, dtype, causal, "cuda", seqlen_q=sk, seqlen_k=sk, **{"ws_ok": True, **kw})
     for d in (64, 128, 256):
         for causal in (False, True):
             least = WS_MIN_KEYS[d][causal]
-            assert pick(d, causal=causal, sk=least) == _FWD_WS[causal][d]
-            assert pick(d, causal=causal, sk=least, dtype=torch.float16) == _FWD_WS[causal][d]
+            persistent_below = WS_CAUSAL_PERSISTENT_BELOW[d] if causal else 1 << 40
+            want = replace(_FWD_WS[causal][d], persistent=_FWD_WS[causal][d].persistent or least < persistent_below)
+            assert pick(d, causal=causal, sk=least) == want
+            assert pick(d, causal=causal, sk=least, dtype=torch.float16) == want
+            assert pick(d, causal=causal, sk=max(least, persistent_below)) == _FWD_WS[causal][d]
             assert not pick(d, causal=causal, sk=least - 1).gluon and not pick(d, causal=causal, sk=None).gluon
             short_q = fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=64, seqlen_k=65536, ws_ok=True)
             assert not short_q.gluon  # short queries keep the Triton tiles (they pack a GQA group's rows)
+    assert not _FWD_WS[True][64].persistent and pick(64, causal=True, sk=2048).persistent  # a length's choice
     assert not pick(sk=16384, ws_ok=False).gluon and not pick(sk=16384, variants=True).gluon
     for other in (pick(dv=64, sk=16384), pick(d=96, sk=16384), pick(d=32, sk=16384), pick(d=256, dv=128, sk=16384)):
         assert not other.gluon

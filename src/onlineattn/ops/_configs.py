@@ -88,7 +88,7 @@ _FWD_LONG = {causal: {d: replace(cfg, pipeline=True) for d, cfg in table.items()
 #   487 / 429 (cause not established). d = 64 causal N = 4096 / 16384: per tile 378 / 445, persistent 400 / 437,
 #   Triton 380 / 402. So causal launches take one program per tile, from 2048 at d = 128 (the bench rows of f0fdff6
 #   read 438 there for the same order on a 2-D grid, against 400 for the Triton tile in the rows of 7956468) and
-#   16384 at d = 64.
+#   16384 at d = 64 (session 20 below: persistent causal at shorter lengths, and d = 64 from 2048).
 _WS_TILE = FwdConfig(128, 128, 4, 3, tma=True, gluon=True)
 # - d = 256 (session 20, .devrun/gsweep256.py, 8 heads, B·N = 16k, beside the Triton tile and cuDNN in one run):
 #   Q (64 KiB) and two stages of 64-key K/V blocks fill 192 KiB; 32-key blocks with three or four stages lost to it
@@ -98,10 +98,23 @@ _WS_TILE = FwdConfig(128, 128, 4, 3, tma=True, gluon=True)
 #   434; Triton 211 / 310 / 384 / 442 / 527; cuDNN 333 / 443 / 530 / 570 / 610). So both masks take it from 512,
 #   persistent non-causal and one program per tile causal, as at d = 128. ptxas: 80-136 B of spills.
 _WS_TILE_D256 = FwdConfig(128, 64, 4, 2, tma=True, gluon=True)
+# - Causal, persistent against one program per tile on the bench grid (session 20, .devrun/gsweep4.py, two passes
+#   each, TFLOP/s at N = 512 / 1024 / 2048 / 4096 / 8192):
+#   - d = 64: persistent 179 / 285-288 / 352-353 / 396-399 / 419-426, per tile 142 / 221-225 / 306-307 / 368-374 /
+#     409-411, Triton 210 / 288-289 / 337-339 / 363-373 / 388-391 (cuDNN 255 / 333 / 382 / 418 / 430); at 16384
+#     (session 19) per tile 445, persistent 437.
+#   - d = 128: persistent 229 / 340-343 / 423-425 / 468-471 / 479-491, per tile 207 / 320 / 418-423 / 489-497 /
+#     539-545, Triton 245-248 / 338-341 / 396-406 / 444-445 / 466-467.
+#   - d = 256: persistent 265-266 / 389-391 / 464-469 / 508-513 / 466-479, per tile 250-251 / 364-366 / 459-460 /
+#     521-527 / 577-584, Triton 210 / 312 / 384-389 / 435-438 / 477-489.
+#   A static persistent schedule loses where causal tiles are long and unequal; below that it hides each tile's
+#   prologue and epilogue. So causal launches run persistent below WS_CAUSAL_PERSISTENT_BELOW rows and keys, one
+#   program per tile from there, and d = 64 takes the Gluon kernel from 2048 (it led Triton there by 4-9 %).
 _FWD_WS = {False: {64: replace(_WS_TILE, persistent=True), 128: replace(_WS_TILE, persistent=True),
                    256: replace(_WS_TILE_D256, persistent=True)},
            True: {64: _WS_TILE, 128: _WS_TILE, 256: _WS_TILE_D256}}
-WS_MIN_KEYS = {64: (512, 16384), 128: (512, 2048), 256: (512, 512)}
+WS_MIN_KEYS = {64: (512, 2048), 128: (512, 2048), 256: (512, 512)}
+WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 2048, 256: 4096}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 (above)
 
 # fp32 tiles take twice the shared memory and run as ieee fp32 (exactness before speed): smaller tiles.
@@ -133,8 +146,9 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
     if dtype == torch.float32:
         return _FWD_FP32[padded]
     ws = _FWD_WS[causal].get(head_dim) if ws_ok and head_dim == head_dim_v and not variants else None
-    if ws is not None and min(seqlen_q or 0, seqlen_k or 0) >= WS_MIN_KEYS[head_dim][causal]:
-        return ws
+    shortest = min(seqlen_q or 0, seqlen_k or 0)
+    if ws is not None and shortest >= WS_MIN_KEYS[head_dim][causal]:
+        return replace(ws, persistent=True) if causal and shortest < WS_CAUSAL_PERSISTENT_BELOW[head_dim] else ws
     if padded == 256 and (variants or not tma_ok or (seqlen_q is not None and seqlen_q <= 512)):
         return _FWD_D256_SMALL
     if padded in _FWD_LONG[causal] and not variants and seqlen_k is not None and seqlen_k >= PIPELINE_MIN_KEYS:
