@@ -109,7 +109,7 @@ for d, causal, fused in ((128, False, False), (64, True, False), (128, True, Tru
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = lambda *a, **kw: compiled.append(
         run(*a, **{{**kw, "warmup": True}}))
     backward_sm90.launch_dkdv(q, k, k, q, lse, lse, torch.empty_like(k), torch.empty_like(k), 0.1, causal,
-                              replace(_BWD_WS_DKDV[d], fused_dq=fused), dq_acc=torch.zeros(2, 8, 320, d) if fused else None)
+                              replace(_BWD_WS_DKDV[d], fused_dq=fused), dq_acc=torch.zeros(2, 320, 8, d) if fused else None)
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
     print(d, ptx.count("wgmma.mma_async"), int("cp.reduce.async.bulk.tensor" in ptx))

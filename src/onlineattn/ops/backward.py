@@ -551,7 +551,7 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
         grid_dkdv, dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep,
                                                     dq_acc=dq_acc)
         if t.fused_dq:  # dQ came with dK and dV: scale it into dq, and no dQ kernel runs
-            torch.mul(dq_acc[:, :, : dq.shape[1]].transpose(1, 2), scale, out=dq)
+            torch.mul(dq_acc[:, : dq.shape[1]], scale, out=dq)
             return (grid_dkdv, dkdv), (None, None)
     else:
         q_arg, do_arg = q, do
@@ -580,9 +580,10 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
 
 
 def _dq_accumulator(dq, tile):
-    """Zeroed float32 dQ ``[B, Hq, Sq rounded up to the row tile, D]`` for a ``fused_dq`` kernel's TMA reduces."""
+    """Zeroed float32 dQ ``[B, Sq rounded up to the row tile, Hq, D]`` for a ``fused_dq`` kernel's TMA reduces (dq's
+    own layout: the final scaling reads it contiguously)."""
     b, sq, hq, d = dq.shape
-    return torch.zeros((b, hq, cdiv(sq, tile.block_m) * tile.block_m, d), dtype=torch.float32, device=dq.device)
+    return torch.zeros((b, cdiv(sq, tile.block_m) * tile.block_m, hq, d), dtype=torch.float32, device=dq.device)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -657,7 +658,7 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
     pre.go(grid_pre, arrays_pre)
     dkdv.go(grid_dkdv, arrays_dkdv)
     if fused:
-        torch.mul(dq_acc[:, :, : dq.shape[1]].transpose(1, 2), scale, out=dq)
+        torch.mul(dq_acc[:, : dq.shape[1]], scale, out=dq)
     else:
         dq_kernel.go(grid_dq, arrays_dq)
     return True

@@ -54,7 +54,7 @@ def _tma_reduce_add(desc, coord, value, _semantic=None):
 @gluon.jit
 def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQ,
                                    stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
-                                   stride_dvb, stride_dvs, stride_dvh, dq_rows, dq_heads,
+                                   stride_dvb, stride_dvs, stride_dvh, dq_rows,
                                    seqlen_q, seqlen_k, heads_kv, qk_scale,
                                    sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
@@ -113,9 +113,8 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty)
     where = (off_b, off_hkv, n0, lo, row_tiles, seqlen_q)
     dq_rows = gl.to_tensor(dq_rows)
-    dq_heads = gl.to_tensor(dq_heads)
     consumer = smem + (ds_smem, ds_ready, ds_free) + where + (
-        DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, dq_rows, dq_heads,
+        DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, dq_rows,
         seqlen_k, qk_scale, sm_scale)
     gl.warp_specialize([
         (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
@@ -156,7 +155,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_smem, ds_ready, ds_free,
               off_b, off_hkv, n0, lo, row_tiles, seqlen_q, DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb,
-              stride_dvs, stride_dvh, dq_rows, dq_heads, seqlen_k, qk_scale, sm_scale, tile):
+              stride_dvs, stride_dvh, dq_rows, seqlen_k, qk_scale, sm_scale, tile):
     """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale). With
     FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to the float32
     accumulator (unscaled) by TMA reduces, one row tile behind."""
@@ -225,7 +224,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
             mbarrier.arrive(ds_free.index(pbuf), count=1, pred=t > 0)
-            _add_dq(dq, DQ, off_b, off_hkv, t - 1, lo, row_tiles, dq_rows, dq_heads, t > 0, tile)
+            _add_dq(dq, DQ, off_b, off_hkv, t - 1, lo, row_tiles, dq_rows, t > 0, tile)
         else:
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
@@ -235,7 +234,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(ds_free.index(last % 2), count=1, pred=n_tiles > 0)
-        _add_dq(dq, DQ, off_b, off_hkv, last, lo, row_tiles, dq_rows, dq_heads, n_tiles > 0, tile)
+        _add_dq(dq, DQ, off_b, off_hkv, last, lo, row_tiles, dq_rows, n_tiles > 0, tile)
 
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
     out_keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
@@ -247,14 +246,14 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
 
 
 @gluon.jit
-def _add_dq(dq, dq_desc, off_b, off_hkv, t, lo, row_tiles, rows_per_head, heads_q, valid, tile):
+def _add_dq(dq, dq_desc, off_b, off_hkv, t, lo, row_tiles, rows_per_batch, valid, tile):
     """Add row tile ``t``'s dQ columns of this warpgroup (``dq [BLOCK_M, D/2]``) into the accumulator (float32
-    ``[B · Hq · rows_per_head, D]``; each head's rows padded to whole tiles, so a tile never reaches the next head's
-    rows) by a TMA reduce, where ``valid``."""
+    ``[B, rows_per_batch, Hq, D]`` seen as ``[B · rows_per_batch, Hq · D]``; each batch entry's rows padded to whole
+    tiles, so a tile never reaches the next entry's rows) by a TMA reduce, where ``valid``."""
     head = off_hkv * tile.GROUP + t // row_tiles
-    row0 = (off_b * heads_q + head) * rows_per_head + lo + (t % row_tiles) * tile.BLOCK_M
+    row0 = off_b * rows_per_batch + lo + (t % row_tiles) * tile.BLOCK_M
     if valid:
-        _tma_reduce_add(dq_desc, [row0, tile.WG * (tile.HEAD_DIM // 2)], dq)
+        _tma_reduce_add(dq_desc, [row0, head * tile.HEAD_DIM + tile.WG * (tile.HEAD_DIM // 2)], dq)
 
 
 def descriptors(q, k, v, do, tile) -> tuple:
@@ -265,11 +264,12 @@ def descriptors(q, k, v, do, tile) -> tuple:
 
 
 def dq_descriptor(dq_acc, tile, d: int, device):
-    """The kernel's dQ argument: a descriptor over ``dq_acc`` seen as ``[rows, D]`` with boxes of one row tile and
-    half the columns; without ``dq_acc`` (not fused) a placeholder the kernel never reads."""
+    """The kernel's dQ argument: a descriptor over ``dq_acc [B, rows, Hq, D]`` seen as ``[B · rows, Hq · D]`` with
+    boxes of one row tile and half a head's columns; without ``dq_acc`` (not fused) a placeholder the kernel never
+    reads."""
     if dq_acc is None:
         return _placeholder(tile.block_m, d, device)
-    return descriptor(dq_acc.view(-1, d), (tile.block_m, d // 2))
+    return descriptor(dq_acc.view(dq_acc.shape[0] * dq_acc.shape[1], -1), (tile.block_m, d // 2))
 
 
 @functools.cache
@@ -280,9 +280,8 @@ def _placeholder(rows: int, d: int, device):
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None):
     """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
     and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous). A
-    ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Hq, Sq rounded up to the
-    row tile, D]``, contiguous, zeroed by the
-    caller). Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept for repeats with new arrays
+    ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Sq rounded up to the row
+    tile, Hq, D]``, contiguous, zeroed by the caller). Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept for repeats with new arrays
     (``descriptors(q, k, v, do, tile), lse, delta, dk, dv, dq_acc``; dk in dq_acc's place when not fused)."""
     if tile.block_m != KEYS_PER_WARPGROUP or tile.block_n != 2 * KEYS_PER_WARPGROUP or tile.num_warps != 4:
         raise ValueError(f"config: the Hopper dK/dV kernel runs 128 keys over two 4-warp warpgroups and 64-row "
@@ -295,16 +294,15 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     sk, hkv = k.shape[1], k.shape[2]
     grid = (cdiv(sk, tile.block_n), b * hkv)
     q_desc, k_desc, v_desc, do_desc = descriptors(q, k, v, do, tile)
-    rows_per_head = cdiv(sq, tile.block_m) * tile.block_m
-    if dq_acc is not None and (dq_acc.shape != (b, hq, rows_per_head, d) or not dq_acc.is_contiguous()):
-        raise ValueError(f"dq_acc: a contiguous float32 [B, Hq, Sq rounded up to {tile.block_m}, D] = "
-                         f"{(b, hq, rows_per_head, d)}, not {tuple(dq_acc.shape)}")
+    rows_per_batch = cdiv(sq, tile.block_m) * tile.block_m
+    if dq_acc is not None and (dq_acc.shape != (b, rows_per_batch, hq, d) or not dq_acc.is_contiguous()):
+        raise ValueError(f"dq_acc: a contiguous float32 [B, Sq rounded up to {tile.block_m}, Hq, D] = "
+                         f"{(b, rows_per_batch, hq, d)}, not {tuple(dq_acc.shape)}")
     dq_arg = dq_descriptor(dq_acc, tile, d, q.device)
-    dq_strides = (rows_per_head, hq)
     kept = start(
         keep, attention_bwd_dkdv_sm90_kernel, grid, 9,
         q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, dq_arg, lse.stride(0), lse.stride(1),
-        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), *dq_strides,
+        dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), rows_per_batch,
         sq, sk, hkv, scale * LOG2E, scale,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
         GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, num_warps=4,
