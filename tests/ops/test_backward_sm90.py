@@ -44,19 +44,23 @@ def test_table_routes_plain_half_d64_d128():
 
 
 def test_table_fuses_dq_only_where_allowed():
-    """dQ fused into the Gluon kernel at d = 128 from BWD_FUSED_DQ_MIN_KEYS rows and keys (per mask), only when the
-    call allows any summation order (``deterministic=False``); never at d = 64, below those lengths or with
-    deterministic=True (the default)."""
+    """dQ fused into the Gluon kernel from BWD_FUSED_DQ_MIN_KEYS rows and keys (per head dim and mask; below
+    BWD_WS_MIN_KEYS too), only when the call allows any summation order (``deterministic=False``); never below those
+    lengths, without ws_ok, or with deterministic=True (the default)."""
     pick = lambda d=128, causal=False, n=16384, m=None, **kw: bwd_config(  # noqa: E731
         d, d, torch.bfloat16, "cuda", causal=causal, seqlen_q=n if m is None else m, seqlen_k=n, **{"ws_ok": True, **kw})
-    for causal in (False, True):
-        least = BWD_FUSED_DQ_MIN_KEYS[128][causal]
-        assert pick(causal=causal, n=least, deterministic=False).dkdv == replace(_BWD_WS_DKDV[128], fused_dq=True)
-        for kept in (pick(causal=causal, n=least), pick(causal=causal, n=least, deterministic=True),
-                     pick(causal=causal, n=least - 1, deterministic=False),
-                     pick(causal=causal, n=least, m=least - 1, deterministic=False),
-                     pick(64, causal=causal, deterministic=False)):
-            assert not kept.dkdv.fused_dq
+    assert set(BWD_FUSED_DQ_MIN_KEYS) == {64, 128}
+    for d, lengths in BWD_FUSED_DQ_MIN_KEYS.items():
+        for causal in (False, True):
+            least = lengths[causal]
+            fused = pick(d, causal=causal, n=least, deterministic=False)
+            assert fused.dkdv == replace(_BWD_WS_DKDV[d], fused_dq=True)
+            assert fused.dq == bwd_config(d, d, torch.bfloat16, "cuda", causal=causal).dq  # unused: no dQ kernel
+            for kept in (pick(d, causal=causal, n=least), pick(d, causal=causal, n=least, deterministic=True),
+                         pick(d, causal=causal, n=least - 1, deterministic=False),
+                         pick(d, causal=causal, n=least, m=least - 1, deterministic=False)):
+                assert not kept.dkdv.fused_dq
+    assert BWD_FUSED_DQ_MIN_KEYS[128][True] < BWD_WS_MIN_KEYS[128][True]  # fused where the Triton tile runs otherwise
     assert not pick(ws_ok=False, deterministic=False).dkdv.gluon
 
 

@@ -234,10 +234,16 @@ BWD_WS_MIN_KEYS = {64: (512, 1024), 128: (512, 4096)}
 #   - d = 128 non-causal N = 1024 / 4096 / 16384: 352 / 464 / 503 against 362 / 432 / 455; causal 244 / 405 / 488
 #     against 262 / 382 / 443;
 #   - d = 64 non-causal 290 / 372 / 407 against 325 / 384 / 398; causal 201 / 317 / 383 against 240 / 334 / 379.
+#   - With the accumulator in dq's own layout (ea5ca0f: the final scaling no longer copies through a transpose,
+#     124 -> 67-74 us at N = 16384), d = 128 N = 1024 / 2048 / 4096 / 16384: non-causal 374 / 437 / 461 / 497
+#     against 360 / 401 / 424 / 455, causal 270 / 353 / 414 / 497 against 262 / 328 / 371 / 442; d = 64 N = 1024 /
+#     4096 / 16384: non-causal 308 / 383 / 407 against 330 / 384 / 394, causal 218 / 328 / 389 against 238 / 335 /
+#     375.
 #   The reduce order varies run to run, so only launches that allow it (``deterministic=False`` and torch's
-#   deterministic mode off) take it: at d = 128 from 4096 rows and keys (both masks). v2 (atomics in place of the
-#   TMA reduces) lost everywhere (d = 128 N = 16384: 444 against 462).
-BWD_FUSED_DQ_MIN_KEYS = {128: (4096, 4096)}
+#   deterministic mode off) take it, where it led: d = 128 from 1024 rows and keys, d = 64 from 16384 (both masks;
+#   below BWD_WS_MIN_KEYS too, where the Triton dK/dV tile would run otherwise). v2 (atomics in place of the TMA
+#   reduces) lost everywhere (d = 128 N = 16384: 444 against 462).
+BWD_FUSED_DQ_MIN_KEYS = {64: (16384, 16384), 128: (1024, 1024)}
 
 
 def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *,
@@ -253,13 +259,13 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
         return _BWD_FP32_D256 if padded > 128 else _BWD_FP32_SMALL
     cfg = (_BWD_CUDA_CAUSAL if causal else _BWD_CUDA)[padded]
     ws = _BWD_WS_DKDV.get(head_dim) if ws_ok and head_dim == head_dim_v else None
-    shortest = min(seqlen_q or 0, seqlen_k or 0)
-    if ws is None or shortest < BWD_WS_MIN_KEYS[head_dim][causal]:
+    if ws is None:
         return cfg
+    shortest = min(seqlen_q or 0, seqlen_k or 0)
     fused_from = BWD_FUSED_DQ_MIN_KEYS.get(head_dim)
     if not deterministic and fused_from is not None and shortest >= fused_from[causal]:
-        ws = replace(ws, fused_dq=True)
-    return replace(cfg, dkdv=ws)
+        return replace(cfg, dkdv=replace(ws, fused_dq=True))
+    return cfg if shortest < BWD_WS_MIN_KEYS[head_dim][causal] else replace(cfg, dkdv=ws)
 
 
 @dataclass(frozen=True)
