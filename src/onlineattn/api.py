@@ -87,10 +87,11 @@ def attention(
             It gets a gradient (summed over its broadcast dims) when it requires one.
         sinks: ``[heads_q]``: one logit per head that joins the softmax's normaliser with no value (gpt-oss). It gets
             a gradient; lse includes it.
-        deterministic: with False, the backward may sum dQ in no fixed order where that is faster (sm_90,
-            d = 128, long sequences: the Hopper dK/dV kernel adds dQ too), as flash-attn's ``deterministic=False``.
-            torch's ``use_deterministic_algorithms(True)`` overrides it, and so do torch.compile and functorch
-            transforms (their backward is the deterministic op's).
+        deterministic: with False, the backward may sum dQ in no fixed order where that is faster (plain calls on
+            sm_90 in half precision from ``ops._configs.BWD_FUSED_DQ_MIN_KEYS``: the Hopper dK/dV kernel adds dQ
+            too), as flash-attn's ``deterministic=False``. torch's ``use_deterministic_algorithms(True)``
+            overrides it, and so do torch.compile, functorch transforms and tensor subclasses (their backward is
+            the deterministic custom op's). ``attention_varlen`` is always deterministic.
         return_lse: also return the log-sum-exp of the scaled scores (natural log).
         backend: ``"auto"``, ``"torch"`` or ``"triton"``.
         generator: a ``torch.Generator`` for dropout's seed (on q's device type).

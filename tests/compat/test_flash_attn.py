@@ -93,6 +93,18 @@ def test_features_onlineattn_lacks_raise_naming_the_parameter(keyword, value):
         assert out.shape == q.shape and torch.isfinite(out).all()
 
 
+def test_deterministic_keeps_flash_attns_default(monkeypatch):
+    """flash_attn_func hands ``deterministic`` on with flash-attn's default (False: the backward may sum dQ in any
+    order where that is faster), and True when asked."""
+    seen = []
+    attention = api.attention
+    monkeypatch.setattr(api, "attention", lambda *a, **kw: seen.append(kw["deterministic"]) or attention(*a, **kw))
+    q, k, v = (torch.randn(1, 5, 2, 16) for _ in range(3))
+    FA.flash_attn_func(q, k, v)
+    FA.flash_attn_func(q, k, v, deterministic=True)
+    assert seen == [False, True]
+
+
 def test_varlen_without_attention_varlen_names_it(monkeypatch):
     monkeypatch.delattr(api, "attention_varlen", raising=False)
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)

@@ -72,6 +72,9 @@ def test_fused_dq_tile_needs_deterministic_false():
     cfg = replace(bwd_config(128, 128, torch.bfloat16, "cuda"), dkdv=replace(_BWD_WS_DKDV[128], fused_dq=True))
     with pytest.raises(ValueError, match="config: a fused_dq tile"):
         B.backward(do, q, k, v, o, lse, 0.1, False, config=cfg)
+    triton_tile = replace(cfg, dkdv=replace(bwd_config(128, 128, torch.bfloat16, "cuda").dkdv, fused_dq=True))
+    with pytest.raises(ValueError, match="config: fused_dq needs a gluon"):  # no kernel there would add dQ
+        B.backward(do, q, k, v, o, lse, 0.1, False, config=triton_tile, deterministic=False)
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -175,7 +178,8 @@ def test_matches_oracle(shape, fused, causal, dtype, d):
 @pytest.mark.parametrize("fused", [False, True], ids=["dq-kernel", "fused-dq"])
 def test_repeat_relaunches_bitwise(causal, fused, monkeypatch):
     """A plain call seen before relaunches its kept launches (the Gluon dK/dV one among them, around fresh
-    descriptors) with new tensors, and gives bitwise what the full path gave."""
+    descriptors) with new tensors, and gives bitwise what the full path gave (dQ of the fused tile: to within its
+    float32 summation order)."""
     from onlineattn.ops import backward_sm90
 
     monkeypatch.setattr(B, "_STEPS", {})
@@ -239,3 +243,28 @@ def test_table_fused_dq_follows_the_call(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(exact, forced))
     assert torch.equal(loose[1], exact[1]) and torch.equal(loose[2], exact[2])  # dK, dV: the same kernel's sums
     torch.testing.assert_close(loose[0], exact[0], rtol=2**-6, atol=2**-10)
+
+
+@gpu
+@sm90
+def test_attention_deterministic_false_takes_the_fused_dq(monkeypatch):
+    """End to end: ``onlineattn.attention(..., deterministic=False)`` with autograd launches the fused kernel at
+    d = 128 from BWD_FUSED_DQ_MIN_KEYS (dK and dV bitwise those of the default call, dQ within the summation order;
+    test_matches_oracle holds both paths to the §3 rule); the default call launches the deterministic pair."""
+    import onlineattn
+    from onlineattn.ops import backward_sm90
+
+    fused = []
+    start = backward_sm90.start
+    monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: fused.append(kw["FUSED_DQ"]) or start(*a, **kw))
+    n = BWD_FUSED_DQ_MIN_KEYS[128][True]
+    g = torch.Generator().manual_seed(13)
+    base = [torch.randn(1, n, 2, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(4)]
+    grads = {}
+    for deterministic in (False, True):
+        q, k, v = (x.clone().requires_grad_() for x in base[:3])
+        onlineattn.attention(q, k, v, causal=True, deterministic=deterministic).backward(base[3])
+        grads[deterministic] = (q.grad, k.grad, v.grad)
+    assert fused == [True, False]
+    assert torch.equal(grads[False][1], grads[True][1]) and torch.equal(grads[False][2], grads[True][2])
+    torch.testing.assert_close(grads[False][0], grads[True][0], rtol=2**-6, atol=2**-10)

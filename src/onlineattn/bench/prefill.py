@@ -158,6 +158,7 @@ PROVIDER_SETUPS = {
     "flash-attn-cute": _flash_attn("flash_attn.cute"),
 }
 PROVIDERS = tuple(PROVIDER_SETUPS)
+SAME_FORWARD = ("onlineattn-nondet",)  # providers whose forward is onlineattn's: timed in backward modes only
 
 
 def available(names) -> dict:
@@ -209,6 +210,9 @@ def run(cases, providers, modes, *, out: Path | None, commit: str | None = None,
             for name, fn in fns.items():
                 windowed = window is not None and name == window_provider(window)
                 bar.step(f"{mode} d={case.d} N={case.n} {name}")
+                if mode == "fwd" and name in SAME_FORWARD:  # the same forward as onlineattn: no second row
+                    cells.append(f"{'(same)':>15}")
+                    continue
                 try:
                     ms = _timed(fn, mode, q, k, v, case.causal)
                 except Exception as err:  # noqa: BLE001 - a peer that refuses the shape, runs out of memory, or

@@ -26,6 +26,7 @@ COLORS = {  # one colour per provider in every plot
     "onlineattn": "tab:red", "sdpa-flash": "tab:blue", "sdpa-cudnn": "tab:green", "sdpa-efficient": "tab:orange",
     "sdpa-math": "tab:gray", "flex": "tab:purple", "flash-attn": "tab:brown", "flash-attn-cute": "tab:pink",
     "naive": "black", "sdpa-default": "tab:cyan", "onlineattn-checked": "tab:olive", "onlineattn-paged": "tab:purple",
+    "onlineattn-nondet": "darkred",
 }
 
 

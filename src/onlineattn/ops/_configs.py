@@ -115,7 +115,8 @@ _FWD_WS = {False: {64: replace(_WS_TILE, persistent=True), 128: replace(_WS_TILE
            True: {64: _WS_TILE, 128: _WS_TILE, 256: _WS_TILE_D256}}
 WS_MIN_KEYS = {64: (512, 2048), 128: (512, 2048), 256: (512, 512)}
 WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 2048, 256: 4096}
-_FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 (above)
+_FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 where the
+#                                              Gluon kernel cannot run (above)
 
 # fp32 tiles take twice the shared memory and run as ieee fp32 (exactness before speed): smaller tiles.
 _FWD_FP32 = {
@@ -240,10 +241,11 @@ BWD_WS_MIN_KEYS = {64: (512, 1024), 128: (512, 4096)}
 #     4096 / 16384: non-causal 308 / 383 / 407 against 330 / 384 / 394, causal 218 / 328 / 389 against 238 / 335 /
 #     375.
 #   The reduce order varies run to run, so only launches that allow it (``deterministic=False`` and torch's
-#   deterministic mode off) take it, where it led: d = 128 from 1024 rows and keys, d = 64 from 16384 (both masks;
-#   below BWD_WS_MIN_KEYS too, where the Triton dK/dV tile would run otherwise). v2 (atomics in place of the TMA
+#   deterministic mode off) take it, where it led: d = 128 from 1024 rows and keys non-causal and 2048 causal (at
+#   causal 1024 it tied the Triton dK/dV tile that runs there otherwise: bench 265-268 against 267-271), d = 64 from
+#   16384 (both masks). Below BWD_WS_MIN_KEYS too, where the Triton dK/dV tile would run otherwise. v2 (atomics in place of the TMA
 #   reduces) lost everywhere (d = 128 N = 16384: 444 against 462).
-BWD_FUSED_DQ_MIN_KEYS = {64: (16384, 16384), 128: (1024, 1024)}
+BWD_FUSED_DQ_MIN_KEYS = {64: (16384, 16384), 128: (1024, 2048)}
 
 
 def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *,

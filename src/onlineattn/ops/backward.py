@@ -1,4 +1,4 @@
-"""Fused attention backward in Triton (FlashAttention-2's): dQ, dK, dV from q, k, v, o, lse and dO, deterministic.
+"""Fused attention backward in Triton (FlashAttention-2's): dQ, dK, dV from q, k, v, o, lse and dO.
 
 Read top-down: three kernels, then the launcher.
 
@@ -9,7 +9,9 @@ Read top-down: three kernels, then the launcher.
    need no atomics and no per-head copies.
 3. ``attention_bwd_dq_kernel``: a program owns ``BLOCK_M`` packed query rows, as in the forward, and loops over keys.
 
-No atomics anywhere, so results are bitwise reproducible by construction. Rows use the forward's packing: row ``r`` is
+These kernels use no atomics, so their results are bitwise reproducible. (On sm_90 a call with
+``deterministic=False`` may instead take the Gluon dK/dV kernel with dQ fused into it, ``fused_dq``: its dQ tiles
+are added into a float32 accumulator by TMA reduce-adds in no fixed order; ``bwd_config`` says where.) Rows use the forward's packing: row ``r`` is
 query ``r // GROUP`` of head ``kv_head · GROUP + r % GROUP``. Scores are in the log2 domain (``qk_scale`` holds
 ``scale · log2 e`` and lse is converted once on load); a row with ``lse = -inf`` saw no key and gets ``P = 0``.
 
@@ -448,12 +450,14 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
         cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, causal=causal,
                                    ws_ok=hopper and not mods.varlen, seqlen_q=sq, seqlen_k=k.shape[1],
                                    deterministic=exact)
+        if cfg.dkdv.fused_dq and not cfg.dkdv.gluon:
+            raise ValueError("config: fused_dq needs a gluon dK/dV tile (the Hopper kernel adds dQ)")
         if cfg.dkdv.fused_dq and exact:
             raise ValueError("config: a fused_dq tile sums dQ in no fixed order; it needs deterministic=False and "
                              "torch's deterministic algorithms off")
         if cfg.dkdv.gluon and not hopper:
             raise ValueError("config: a gluon dK/dV tile runs only plain half-precision calls on sm_90 with equal "
-                             "head dims and TMA-aligned q, k, v and do")
+                             "head dims of 64 or 128 (backward_sm90.HEAD_DIMS) and TMA-aligned q, k, v and do")
         if cfg.dq.split_scores:  # measured slower at every tile tried (NOTES v8), so the dQ kernel has no branch
             raise ValueError("config: split_scores applies to the dK/dV tile only, not to config.dq")
         group = hq // hkv
@@ -550,8 +554,8 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
         dq_acc = _dq_accumulator(dq, t) if t.fused_dq else None
         grid_dkdv, dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep,
                                                     dq_acc=dq_acc)
-        if t.fused_dq:  # dQ came with dK and dV: scale it into dq, and no dQ kernel runs
-            torch.mul(dq_acc[:, : dq.shape[1]], scale, out=dq)
+        if t.fused_dq:  # dQ came with dK and dV, and no dQ kernel runs
+            _scale_dq(dq_acc, scale, dq)
             return (grid_dkdv, dkdv), (None, None)
     else:
         q_arg, do_arg = q, do
@@ -586,12 +590,17 @@ def _dq_accumulator(dq, tile):
     return torch.zeros((b, cdiv(sq, tile.block_m) * tile.block_m, hq, d), dtype=torch.float32, device=dq.device)
 
 
+def _scale_dq(dq_acc, scale: float, dq) -> None:
+    """dQ = scale · the fused kernel's sum (its rows past Sq are padding), into dq (one elementwise pass)."""
+    torch.mul(dq_acc[:, : dq.shape[1]], scale, out=dq)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Repeats. A training loop runs the backward with the same shapes every step, so a plain whole-batch call keeps its
-# choices (tile, descriptor use) and its three launches (``_Step``), keyed by the metadata they depend on; a repeat
-# only swaps the tensors in (``Relaunch``) and rebuilds the descriptors around them. All three must be ready before
-# any starts; where one is not (a hook set, an alignment changed...), the call takes the full path, which keeps a
-# fresh step.
+# choices (tile, descriptor use) and its three launches (``_Step``; two with a fused dQ), keyed by the metadata they
+# depend on; a repeat only swaps the tensors in (``Relaunch``) and rebuilds the descriptors around them. All must be
+# ready before any starts; where one is not (a hook set, an alignment changed...), the call takes the full path,
+# which keeps a fresh step.
 
 
 class _Step:
@@ -628,7 +637,7 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
     step = _STEPS.get(_step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing))
     if step is None or step.pre[1] is None or step.dkdv[1] is None:
         return False
-    fused = step.cfg.dkdv.fused_dq  # no dQ launch: dQ comes with dK and dV
+    fused = step.cfg.dkdv.gluon and step.cfg.dkdv.fused_dq  # no dQ launch: dQ comes with dK and dV
     if not fused and step.dq[1] is None:
         return False
     b, sq, hq, d = q.shape
@@ -658,7 +667,7 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
     pre.go(grid_pre, arrays_pre)
     dkdv.go(grid_dkdv, arrays_dkdv)
     if fused:
-        torch.mul(dq_acc[:, : dq.shape[1]], scale, out=dq)
+        _scale_dq(dq_acc, scale, dq)
     else:
         dq_kernel.go(grid_dq, arrays_dq)
     return True

@@ -10,7 +10,7 @@ mbarriers, so both warpgroups read each tile once from shared memory. Per tile a
     dSᵀ = Pᵀ ∘ (dPᵀ − delta)
     dV += Pᵀ dO and dK += dSᵀ Q         (Pᵀ and dSᵀ as wgmma's register A operand)
 
-and the group's sum stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton kernel, whose
+and the group's sum of dK and dV stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton kernel, whose
 delta pass and dQ kernel this one runs beside. Plain attention only: float16/bfloat16, equal head dims (64 or 128),
 TMA-able strides, ``backward.py`` routes a launch here when ``bwd_config`` picks a ``gluon`` dK/dV tile.
 
@@ -281,8 +281,9 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
     and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous). A
     ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Sq rounded up to the row
-    tile, Hq, D]``, contiguous, zeroed by the caller). Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept for repeats with new arrays
-    (``descriptors(q, k, v, do, tile), lse, delta, dk, dv, dq_acc``; dk in dq_acc's place when not fused)."""
+    tile, Hq, D]``, contiguous, zeroed by the caller). Returns ``(grid, Relaunch or None)``: with ``keep``, the
+    launch kept for repeats with new arrays (``descriptors(q, k, v, do, tile), lse, delta, dk, dv,
+    dq_descriptor(dq_acc, ...)``, a placeholder descriptor when not fused)."""
     if tile.block_m != KEYS_PER_WARPGROUP or tile.block_n != 2 * KEYS_PER_WARPGROUP or tile.num_warps != 4:
         raise ValueError(f"config: the Hopper dK/dV kernel runs 128 keys over two 4-warp warpgroups and 64-row "
                          f"tiles, not {tile}")
@@ -295,9 +296,10 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     grid = (cdiv(sk, tile.block_n), b * hkv)
     q_desc, k_desc, v_desc, do_desc = descriptors(q, k, v, do, tile)
     rows_per_batch = cdiv(sq, tile.block_m) * tile.block_m
-    if dq_acc is not None and (dq_acc.shape != (b, rows_per_batch, hq, d) or not dq_acc.is_contiguous()):
+    if dq_acc is not None and (dq_acc.shape != (b, rows_per_batch, hq, d) or not dq_acc.is_contiguous()
+                               or dq_acc.dtype != torch.float32):
         raise ValueError(f"dq_acc: a contiguous float32 [B, Sq rounded up to {tile.block_m}, Hq, D] = "
-                         f"{(b, rows_per_batch, hq, d)}, not {tuple(dq_acc.shape)}")
+                         f"{(b, rows_per_batch, hq, d)}, not {dq_acc.dtype} {tuple(dq_acc.shape)}")
     dq_arg = dq_descriptor(dq_acc, tile, d, q.device)
     kept = start(
         keep, attention_bwd_dkdv_sm90_kernel, grid, 9,

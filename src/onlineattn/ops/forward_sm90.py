@@ -114,7 +114,8 @@ def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile):
     most key blocks), so within a head the tiles handed out last are the short ones. A program takes ``t = pid, pid + programs,
     ...`` (laps of ``programs`` tiles); every odd full lap is taken in reverse (a snake), so under causal a program
     that took a longer tile of one lap takes a shorter one of the next (even so, persistent causal launches measured
-    slower than one program per tile, which the table uses: _configs.py)."""
+    slower than one program per tile at long lengths, and the table runs them persistent only below
+    WS_CAUSAL_PERSISTENT_BELOW; a length-major order balanced the laps but lost more to L2, NOTES v12)."""
     programs = gl.num_programs(0)
     lap = t // programs
     mirror = (lap % 2 == 1) & ((lap + 1) * programs <= num_tiles)
