@@ -249,15 +249,16 @@ def test_table_fused_dq_follows_the_call(monkeypatch):
 @sm90
 def test_attention_deterministic_false_takes_the_fused_dq(monkeypatch):
     """End to end: ``onlineattn.attention(..., deterministic=False)`` with autograd launches the fused kernel at
-    d = 128 from BWD_FUSED_DQ_MIN_KEYS (dK and dV bitwise those of the default call, dQ within the summation order;
-    test_matches_oracle holds both paths to the §3 rule); the default call launches the deterministic pair."""
+    d = 128 from BWD_FUSED_DQ_MIN_KEYS; the default call the deterministic Gluon dK/dV kernel beside the dQ kernel (at
+    a length where both take the Gluon kernel: dK and dV bitwise equal, dQ within the summation order;
+    test_matches_oracle holds both paths to the §3 rule)."""
     import onlineattn
     from onlineattn.ops import backward_sm90
 
     fused = []
     start = backward_sm90.start
     monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: fused.append(kw["FUSED_DQ"]) or start(*a, **kw))
-    n = BWD_FUSED_DQ_MIN_KEYS[128][True]
+    n = max(BWD_FUSED_DQ_MIN_KEYS[128][True], BWD_WS_MIN_KEYS[128][True])
     g = torch.Generator().manual_seed(13)
     base = [torch.randn(1, n, 2, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(4)]
     grads = {}
