@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from onlineattn import reference as R
-from onlineattn._mods import PLAIN
 from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import _BWD_WS_DKDV, BWD_FUSED_DQ_MIN_KEYS, BWD_WS_MIN_KEYS, bwd_config
@@ -23,12 +22,12 @@ sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_devi
 gpu = pytest.mark.gpu
 
 
-def test_table_routes_plain_half_d64_d128():
-    """d = 64 and 128 in half precision from BWD_WS_MIN_KEYS rows and keys (per mask), beside the table's dQ tile;
+def test_table_routes_plain_half_d64_d128_d256():
+    """d = 64, 128 and 256 in half precision from BWD_WS_MIN_KEYS rows and keys (per mask), beside the table's dQ tile;
     never without ws_ok, below those lengths, with an unknown length, for other head dims or float32."""
     pick = lambda d=128, dv=None, dtype=torch.bfloat16, causal=False, n=16384, m=None, **kw: bwd_config(  # noqa: E731
         d, dv or d, dtype, "cuda", causal=causal, seqlen_q=n if m is None else m, seqlen_k=n, **{"ws_ok": True, **kw})
-    for d in (64, 128):
+    for d in (64, 128, 256):
         for causal in (False, True):
             least = BWD_WS_MIN_KEYS[d][causal]
             cfg = pick(d, causal=causal, n=least)
@@ -38,7 +37,7 @@ def test_table_routes_plain_half_d64_d128():
             assert not pick(d, causal=causal, n=least, m=least - 1).dkdv.gluon
             assert not pick(d, causal=causal, n=None).dkdv.gluon
     assert not pick(ws_ok=False).dkdv.gluon
-    for d, dv in ((256, 256), (128, 64), (96, 96)):
+    for d, dv in ((256, 128), (128, 64), (96, 96)):
         assert not pick(d, dv).dkdv.gluon
     assert not pick(dtype=torch.float32).dkdv.gluon
 
@@ -94,6 +93,12 @@ def test_gluon_tile_is_refused_where_it_cannot_run():
         B.backward(do, q, k, v, o, lse, 0.1, False, config=cfg)
     with pytest.raises(ValueError, match="config"):
         backward_sm90.launch_dkdv(q, k, v, do, lse, lse, k, v, 0.1, False, replace(_BWD_WS_DKDV[128], block_m=128))
+    q256, k256 = (torch.randn(1, 8, 2, 256, dtype=torch.bfloat16) for _ in range(2))
+    with pytest.raises(ValueError, match="config: the Hopper dK/dV kernel runs 64 keys"):  # d = 256 takes 64 keys
+        backward_sm90.launch_dkdv(q256, k256, k256, q256, lse, lse, k256, k256, 0.1, False, _BWD_WS_DKDV[128])
+    with pytest.raises(ValueError, match="config: fused_dq runs at d = 64 and 128"):
+        backward_sm90.launch_dkdv(q256, k256, k256, q256, lse, lse, k256, k256, 0.1, False,
+                                  replace(_BWD_WS_DKDV[256], fused_dq=True), dq_acc=torch.zeros(1, 64, 2, 256))
     delta = torch.randn(1, 8, 2).transpose(1, 2)  # lse's shape, other strides: the kernel reads both with lse's
     with pytest.raises(ValueError, match="delta"):
         backward_sm90.launch_dkdv(q, k, v, do, lse, delta, k, v, 0.1, False, _BWD_WS_DKDV[128])
@@ -107,7 +112,7 @@ triton.runtime.driver.set_active(Sm90NoLaunch())
 from dataclasses import replace
 from onlineattn.ops import backward_sm90
 from onlineattn.ops._configs import _BWD_WS_DKDV
-for d, causal, fused in ((128, False, False), (64, True, False), (128, True, True), (64, False, True)):
+for d, causal, fused in ((128, False, False), (64, True, False), (128, True, True), (64, False, True), (256, True, False)):
     q = torch.randn(2, 300, 8, d, dtype=torch.bfloat16)
     k = torch.randn(2, 300, 2, d, dtype=torch.bfloat16)
     lse = torch.randn(2, 8, 300)
@@ -137,7 +142,8 @@ def test_kernel_compiles_for_sm90():
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["128", "48", "0", "64", "32", "0", "128", "80", "1", "64", "64", "1", "tiny"], out.stdout
+    assert out.stdout.split() == ["128", "48", "0", "64", "32", "0", "128", "80", "1", "64", "64", "1", "256", "80", "0",
+                                  "tiny"], out.stdout
 
 
 SHAPES = [  # b, sq, sk, hq, hkv
@@ -153,12 +159,14 @@ SHAPES = [  # b, sq, sk, hq, hkv
 
 @gpu
 @sm90
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d,fused", [(64, False), (64, True), (128, False), (128, True), (256, False)],
+                         ids=["64", "64-fused-dq", "128", "128-fused-dq", "256"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("fused", [False, True], ids=["dq-kernel", "fused-dq"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_oracle(shape, fused, causal, dtype, d):
+def test_matches_oracle(shape, causal, dtype, d, fused):
+    """dK, dV (and dQ) of either dQ path at d = 64 and 128, and of the split-head-dim kernel at d = 256, against the
+    oracle under the §3 rule."""
     b, sq, sk, hq, hkv = shape
     g = torch.Generator().manual_seed(sum(shape) + d + causal)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", dtype)
@@ -200,19 +208,6 @@ def test_repeat_relaunches_bitwise(causal, fused, monkeypatch):
         torch.testing.assert_close(first[0].float(), again[0].float(), rtol=2**-7, atol=1e-6)
     else:
         assert torch.equal(first[0], again[0])
-
-
-@gpu
-@sm90
-def test_d256_gluon_tile_is_refused():
-    """The forward's Hopper kernel runs d = 256, the dK/dV kernel does not (backward_sm90.HEAD_DIMS): the table keeps
-    the Triton tiles there and an explicit gluon tile raises, never launches."""
-    q, k, v, do = (torch.randn(1, 600, 2, 256, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-    assert not B.ws_ok(do, q, k, v, PLAIN)
-    o, lse = F.forward(q, k, v, 0.1, False)
-    cfg = replace(bwd_config(256, 256, torch.bfloat16, "cuda"), dkdv=_BWD_WS_DKDV[128])
-    with pytest.raises(ValueError, match="config"):
-        B.backward(do, q, k, v, o, lse, 0.1, False, config=cfg)
 
 
 @gpu

@@ -226,8 +226,18 @@ _BWD_FP32_D256 = BwdConfig(BwdTile(16, 16, 4, 1), BwdTile(16, 16, 4, 1))
 #   So it runs from BWD_WS_MIN_KEYS (non-causal, causal; rows and keys, as the forward's) where it led.
 #   The profile at d = 128 N = 16384 non-causal: dK/dV 6.41 ms (4 of the 7 matmuls: about 690 TFLOP/s executed),
 #   dQ 4.99 ms (3 of 7: about 660): each near the matmul ceiling; what is left is the recomputed QKᵀ and dO·Vᵀ.
-_BWD_WS_DKDV = {64: BwdTile(64, 128, 4, 2, tma=True, gluon=True), 128: BwdTile(64, 128, 4, 2, tma=True, gluon=True)}
-BWD_WS_MIN_KEYS = {64: (512, 1024), 128: (512, 4096)}
+# - d = 256 (session 20, .devrun/bsweep256.py, 8 heads, B·N = 16k): two [64, 256] float32 accumulators do not fit a
+#   warpgroup, so both warpgroups take the same 64 keys and half of dK's and dV's columns each; per row tile each
+#   computes Sᵀ and dPᵀ for half the rows and they swap Pᵀ and dSᵀ halves through shared memory (_consumer_split).
+#   Two Q/dO stages (214 KiB of shared memory, no spills non-causal). Whole backward beside the table's dQ kernel,
+#   N = 512 / 1024 / 2048 / 4096 / 8192 / 16384: non-causal 247 / 308 / 337 / 367 / 368 / 381 against the Triton
+#   dK/dV tile's 224 / 274 / 305 / 317 / 317 / 315 (cuDNN 239 / 299 / 356 / 366 / 356 / 357); causal 168 / 236 /
+#   292 / 317 / 353 / 366 against 154 / 204 / 242 / 269 / 294 / 300 (cuDNN 179 / 247 / 304 / 344 / 384 / 382); dK
+#   and dV bitwise equal to the Triton tile's. One stage lost (213-318). The dK/dV kernel took 3.78 ms against 5.50
+#   at N = 8192 non-causal (about 580 TFLOP/s executed). So it runs from 512 at d = 256, both masks.
+_BWD_WS_DKDV = {64: BwdTile(64, 128, 4, 2, tma=True, gluon=True), 128: BwdTile(64, 128, 4, 2, tma=True, gluon=True),
+                256: BwdTile(64, 64, 4, 2, tma=True, gluon=True)}
+BWD_WS_MIN_KEYS = {64: (512, 1024), 128: (512, 4096), 256: (512, 512)}
 # - dQ fused into the Gluon dK/dV kernel (session 20, branch ws-fused-dq v3; the NOTES' v12): per row tile each
 #   warpgroup computes dQ's half of the columns from both warpgroups' dSᵀ (shared memory) one row tile behind, and
 #   adds it into a float32 accumulator by TMA reduce-add; no dQ kernel, so no recomputed QKᵀ and dO·Vᵀ (5 matmuls,

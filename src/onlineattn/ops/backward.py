@@ -457,7 +457,7 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
                              "torch's deterministic algorithms off")
         if cfg.dkdv.gluon and not hopper:
             raise ValueError("config: a gluon dK/dV tile runs only plain half-precision calls on sm_90 with equal "
-                             "head dims of 64 or 128 (backward_sm90.HEAD_DIMS) and TMA-aligned q, k, v and do")
+                             "head dims of 64, 128 or 256 (backward_sm90.HEAD_DIMS) and TMA-aligned q, k, v and do")
         if cfg.dq.split_scores:  # measured slower at every tile tried (NOTES v8), so the dQ kernel has no branch
             raise ValueError("config: split_scores applies to the dK/dV tile only, not to config.dq")
         group = hq // hkv

@@ -1,7 +1,8 @@
 """dK and dV on Hopper (sm_90): a warp-specialized Gluon kernel, the dK/dV half of FlashAttention-3's backward.
 
 One program owns ``BLOCK_N = 128`` keys of one (batch, kv head), split between two consumer warpgroups of 64 keys
-each; their K and V rows come in once by TMA. A one-warp producer partition streams the tiles of 64 query rows of
+each (at d = 256: 64 keys that both warpgroups share, each with half of dK's and dV's columns, ``_consumer_split``);
+their K and V rows come in once by TMA. A one-warp producer partition streams the tiles of 64 query rows of
 every head in the GQA group (Q and dO, by TMA) through a ring of ``num_stages`` stages with "ready" and "empty"
 mbarriers, so both warpgroups read each tile once from shared memory. Per tile a warpgroup computes, in registers,
 
@@ -11,7 +12,7 @@ mbarriers, so both warpgroups read each tile once from shared memory. Per tile a
     dV += Pᵀ dO and dK += dSᵀ Q         (Pᵀ and dSᵀ as wgmma's register A operand)
 
 and the group's sum of dK and dV stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton kernel, whose
-delta pass and dQ kernel this one runs beside. Plain attention only: float16/bfloat16, equal head dims (64 or 128),
+delta pass and dQ kernel this one runs beside. Plain attention only: float16/bfloat16, equal head dims (64, 128 or 256),
 TMA-able strides, ``backward.py`` routes a launch here when ``bwd_config`` picks a ``gluon`` dK/dV tile.
 
 With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
@@ -35,7 +36,7 @@ from ._common import LOG2E
 from ._launch import cdiv, start
 from .forward_sm90 import Tile, descriptor
 
-HEAD_DIMS = (64, 128)  # what this kernel is built and tested for (d = 256's dK and dV accumulators outgrow a warpgroup)
+HEAD_DIMS = (64, 128, 256)  # what this kernel is built and tested for (d = 256 splits the head dim: _consumer_split)
 
 KEYS_PER_WARPGROUP = 64
 
@@ -116,12 +117,26 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     consumer = smem + (ds_smem, ds_ready, ds_free) + where + (
         DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, dq_rows,
         seqlen_k, qk_scale, sm_scale)
-    gl.warp_specialize([
-        (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
-        (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
-        (_producer, (q_desc, k_desc, v_desc, do_desc) + smem + where
-         + (LSE, DELTA, stride_lb, stride_lh, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ))),
-    ], [4, 1], [240, 24])
+    loads = (q_desc, k_desc, v_desc, do_desc) + smem + where + (
+        LSE, DELTA, stride_lb, stride_lh, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ))
+    if HEAD_DIM > 128:  # both warpgroups on the same keys, each with half of dK's and dV's columns (_consumer_split)
+        half_rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M // 2], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M // 2], half_rows)
+        dst_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M // 2], half_rows)
+        split = smem + (p_smem, dst_smem, ds_ready.index(0), ds_free.index(0)) + where + (
+            DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, seqlen_k, qk_scale,
+            sm_scale)
+        gl.warp_specialize([
+            (_consumer_split, split + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
+            (_consumer_split, split + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
+            (_producer, loads),
+        ], [4, 1], [240, 24])
+    else:
+        gl.warp_specialize([
+            (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
+            (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
+            (_producer, loads),
+        ], [4, 1], [240, 24])
 
 
 @gluon.jit
@@ -246,6 +261,78 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
 
 
 @gluon.jit
+def _consumer_split(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, p_smem, dst_smem,
+                    pd_ready, pd_free, off_b, off_hkv, n0, lo, row_tiles, seqlen_q, DK, DV, stride_dkb, stride_dks,
+                    stride_dkh, stride_dvb, stride_dvs, stride_dvh, seqlen_k, qk_scale, sm_scale, tile):
+    """One warpgroup at d = 256: the block's 64 keys, columns ``WG · D/2 ...`` of their dK and dV. Per row tile it
+    computes Sᵀ and dPᵀ for rows ``WG · 32 ...`` of the tile (the whole head dim), writes that half of Pᵀ and dSᵀ to
+    shared memory, and once both warpgroups have, adds its columns of dV = Pᵀ dO and dK = dSᵀ Q over all 64 rows
+    (two [64 keys, 32 rows] halves each). "pd_ready" counts the halves written, "pd_free" the warpgroups done
+    reading them."""
+    D: gl.constexpr = tile.HEAD_DIM
+    HALF_D: gl.constexpr = D // 2
+    BLOCK_M: gl.constexpr = tile.BLOCK_M
+    HALF_M: gl.constexpr = BLOCK_M // 2
+    STAGES: gl.constexpr = tile.STAGES
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_D, 16])
+    dtype: gl.constexpr = q_smem.dtype
+    keys = n0 + gl.arange(0, tile.BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    diag = seqlen_k - seqlen_q
+    full_from = n0 + tile.BLOCK_N - 1 - diag  # row tiles starting here see every key of the block
+    zero_st = gl.zeros([tile.BLOCK_N, HALF_M], gl.float32, layout=st_layout)
+    dk = gl.zeros([tile.BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
+    dv = gl.zeros([tile.BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
+
+    mbarrier.wait(kv_bar, 0)
+    k = k_smem.reshape([tile.BLOCK_N, D])
+    v = v_smem.reshape([tile.BLOCK_N, D])
+    for t in range(row_tiles * tile.GROUP):
+        stage = t % STAGES
+        m = lo + (t % row_tiles) * BLOCK_M
+        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+        q = q_smem.index(stage).reshape([BLOCK_M, D])
+        do = do_smem.index(stage).reshape([BLOCK_M, D])
+        st = warpgroup_mma(k, q.slice(tile.WG * HALF_M, HALF_M).permute((1, 0)), zero_st, use_acc=False,
+                           is_async=True)
+        dpt = warpgroup_mma(v, do.slice(tile.WG * HALF_M, HALF_M).permute((1, 0)), zero_st, use_acc=False,
+                            is_async=True)
+        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+        stats: gl.constexpr = gl.SliceLayout(0, st_layout)
+        lse = lse_smem.index(stage).slice(tile.WG * HALF_M, HALF_M).load(stats)
+        pt = gl.exp2(st * qk_scale - lse[None, :])
+        if tile.CAUSAL:
+            if m < full_from:
+                rows = m + tile.WG * HALF_M + gl.arange(0, HALF_M, layout=stats)
+                pt = gl.where(keys[:, None] <= rows[None, :] + diag, pt, 0.0)
+        dst = pt * (dpt - delta_smem.index(stage).slice(tile.WG * HALF_M, HALF_M).load(stats)[None, :])
+        mbarrier.wait(pd_free, (t & 1) ^ 1)  # both warpgroups read the last tile's halves (a fresh barrier passes)
+        p_smem.index(tile.WG).store(pt.to(dtype))
+        dst_smem.index(tile.WG).store(dst.to(dtype))
+        fence_async_shared()
+        mbarrier.arrive(pd_ready, count=1)
+        mbarrier.wait(pd_ready, t & 1)
+        for h in gl.static_range(2):
+            do_h = do.slice(h * HALF_M, HALF_M).slice(tile.WG * HALF_D, HALF_D, dim=1)
+            q_h = q.slice(h * HALF_M, HALF_M).slice(tile.WG * HALF_D, HALF_D, dim=1)
+            dv = warpgroup_mma(p_smem.index(h), do_h, dv, is_async=True)
+            dk = warpgroup_mma(dst_smem.index(h), q_h, dk, is_async=True)
+        dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
+        mbarrier.arrive(empty.index(stage), count=1)
+        mbarrier.arrive(pd_free, count=1)
+
+    cols = tile.WG * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, kv_layout))
+    out_keys = n0 + gl.arange(0, tile.BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    keep = (out_keys < seqlen_k)[:, None]
+    p_dk = DK + off_b.to(gl.int64) * stride_dkb + off_hkv * stride_dkh + out_keys.to(gl.int64)[:, None] * stride_dks
+    p_dv = DV + off_b.to(gl.int64) * stride_dvb + off_hkv * stride_dvh + out_keys.to(gl.int64)[:, None] * stride_dvs
+    gl.store(p_dk + cols[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
+    gl.store(p_dv + cols[None, :], dv.to(DV.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
 def _add_dq(dq, dq_desc, off_b, off_hkv, t, lo, row_tiles, rows_per_batch, valid, tile):
     """Add row tile ``t``'s dQ columns of this warpgroup (``dq [BLOCK_M, D/2]``) into the accumulator (float32
     ``[B, rows_per_batch, Hq, D]`` seen as ``[B · rows_per_batch, Hq · D]``; each batch entry's rows padded to whole
@@ -284,9 +371,13 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     tile, Hq, D]``, contiguous, zeroed by the caller). Returns ``(grid, Relaunch or None)``: with ``keep``, the
     launch kept for repeats with new arrays (``descriptors(q, k, v, do, tile), lse, delta, dk, dv,
     dq_descriptor(dq_acc, ...)``, a placeholder descriptor when not fused)."""
-    if tile.block_m != KEYS_PER_WARPGROUP or tile.block_n != 2 * KEYS_PER_WARPGROUP or tile.num_warps != 4:
-        raise ValueError(f"config: the Hopper dK/dV kernel runs 128 keys over two 4-warp warpgroups and 64-row "
-                         f"tiles, not {tile}")
+    split = q.shape[-1] > 128  # d = 256: both warpgroups on 64 keys, each with half of dK's and dV's columns
+    keys = KEYS_PER_WARPGROUP if split else 2 * KEYS_PER_WARPGROUP
+    if tile.block_m != 64 or tile.block_n != keys or tile.num_warps != 4:
+        raise ValueError(f"config: the Hopper dK/dV kernel runs {keys} keys over two 4-warp warpgroups and 64-row "
+                         f"tiles at d = {q.shape[-1]}, not {tile}")
+    if split and tile.fused_dq:
+        raise ValueError("config: fused_dq runs at d = 64 and 128 only")
     if tile.fused_dq != (dq_acc is not None):
         raise ValueError("dq_acc: a fused_dq tile needs the float32 dQ accumulator, and only it takes one")
     if delta.stride() != lse.stride():
