@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from onlineattn import reference as R
+from onlineattn._mods import PLAIN
 from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import _BWD_WS_DKDV, BWD_FUSED_DQ_MIN_KEYS, BWD_WS_MIN_KEYS, bwd_config
@@ -112,7 +113,8 @@ triton.runtime.driver.set_active(Sm90NoLaunch())
 from dataclasses import replace
 from onlineattn.ops import backward_sm90
 from onlineattn.ops._configs import _BWD_WS_DKDV
-for d, causal, fused in ((128, False, False), (64, True, False), (128, True, True), (64, False, True), (256, True, False)):
+for d, causal, fused in ((128, False, False), (64, True, False), (128, True, True), (64, False, True), (256, True, False),
+                         (256, False, False)):
     q = torch.randn(2, 300, 8, d, dtype=torch.bfloat16)
     k = torch.randn(2, 300, 2, d, dtype=torch.bfloat16)
     lse = torch.randn(2, 8, 300)
@@ -143,7 +145,7 @@ def test_kernel_compiles_for_sm90():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["128", "48", "0", "64", "32", "0", "128", "80", "1", "64", "64", "1", "256", "80", "0",
-                                  "tiny"], out.stdout
+                                  "256", "80", "0", "tiny"], out.stdout
 
 
 SHAPES = [  # b, sq, sk, hq, hkv
@@ -183,8 +185,8 @@ def test_matches_oracle(shape, causal, dtype, d, fused):
 @gpu
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("fused", [False, True], ids=["dq-kernel", "fused-dq"])
-def test_repeat_relaunches_bitwise(causal, fused, monkeypatch):
+@pytest.mark.parametrize("d,fused", [(128, False), (128, True), (256, False)], ids=["128", "128-fused-dq", "256"])
+def test_repeat_relaunches_bitwise(causal, d, fused, monkeypatch):
     """A plain call seen before relaunches its kept launches (the Gluon dK/dV one among them, around fresh
     descriptors) with new tensors, and gives bitwise what the full path gave (dQ of the fused tile: to within its
     float32 summation order)."""
@@ -195,11 +197,11 @@ def test_repeat_relaunches_bitwise(causal, fused, monkeypatch):
     start = backward_sm90.start
     monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: starts.append(1) or start(*a, **kw))
     g = torch.Generator().manual_seed(7)
-    q, k, v, do = (torch.randn(2, n, h, 128, generator=g).to("cuda", torch.bfloat16)
+    q, k, v, do = (torch.randn(2, n, h, d, generator=g).to("cuda", torch.bfloat16)
                    for n, h in ((300, 4), (300, 2), (300, 2), (300, 4)))
     o, lse = F.forward(q, k, v, 0.1, causal)
-    cfg = replace(bwd_config(128, 128, torch.bfloat16, "cuda", causal=causal),
-                  dkdv=replace(_BWD_WS_DKDV[128], fused_dq=fused))
+    cfg = replace(bwd_config(d, d, torch.bfloat16, "cuda", causal=causal),
+                  dkdv=replace(_BWD_WS_DKDV[d], fused_dq=fused))
     first = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg, deterministic=not fused)
     again = B.backward(*(x.clone() for x in (do, q, k, v, o, lse)), 0.1, causal, config=cfg, deterministic=not fused)
     assert len(starts) == 1 and len(B._STEPS) == 1  # the second call was a repeat
@@ -264,3 +266,28 @@ def test_attention_deterministic_false_takes_the_fused_dq(monkeypatch):
     assert fused == [True, False]
     assert torch.equal(grads[False][1], grads[True][1]) and torch.equal(grads[False][2], grads[True][2])
     torch.testing.assert_close(grads[False][0], grads[True][0], rtol=2**-6, atol=2**-10)
+
+
+@gpu
+@sm90
+def test_table_takes_the_split_kernel_at_d256(monkeypatch):
+    """Through the table at d = 256 from BWD_WS_MIN_KEYS: ws_ok holds, the Gluon dK/dV kernel launches over 64-key
+    blocks (grid: key blocks x batch·kv heads), and its gradients equal those of the Triton dK/dV tile it replaces
+    (dK and dV bitwise: the same sums in the same order; dQ from the same dQ kernel)."""
+    from onlineattn.ops import backward_sm90
+
+    grids = []
+    start = backward_sm90.start
+    monkeypatch.setattr(B, "_STEPS", {})
+    monkeypatch.setattr(backward_sm90, "start", lambda keep, kernel, grid, *a, **kw: grids.append(grid)
+                        or start(keep, kernel, grid, *a, **kw))
+    n = BWD_WS_MIN_KEYS[256][True]
+    g = torch.Generator().manual_seed(17)
+    q, k, v, do = (torch.randn(2, n, 4, 256, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
+    assert B.ws_ok(do, q, k, v, PLAIN)
+    o, lse = F.forward(q, k, v, 0.0625, True)
+    table = B.backward(do, q, k, v, o, lse, 0.0625, True)
+    assert grids == [(n // 64, 2 * 4)]
+    triton = B.backward(do, q, k, v, o, lse, 0.0625, True, config=bwd_config(256, 256, torch.bfloat16, "cuda",
+                                                                              causal=True))
+    assert all(torch.equal(a, b) for a, b in zip(table, triton))

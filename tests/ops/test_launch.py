@@ -284,7 +284,7 @@ def _gluon_calls(monkeypatch) -> list:
     monkeypatch.setattr(backward_sm90, "start", record)
     shapes = ((2, 300, 300, 8, 2), (1, 256, 1024, 4, 4), (1, 17, 40, 2, 1))  # b, sq, sk, hq, hkv
     for dtype in (torch.bfloat16, torch.float16):
-        for d in (64, 128):
+        for d in (64, 128, 256):
             for causal in (False, True):
                 for i, (b, sq, sk, hq, hkv) in enumerate(shapes):
                     case = Case(dtype=dtype, offset=8 * (i == 0) + (i == 1))  # outputs: aligned, or 2 bytes off
@@ -312,6 +312,7 @@ def test_gluon_launches_bind_as_run_and_key_as_triton(monkeypatch):
         assert triton_of.setdefault((name, key), triton_key) == triton_key, f"{name}: one key, two Triton keys"
     specs = " ".join(triton_of.values())
     for kind in ("tensordesc<bf16[1, 128, 1, 128],NVMMASharedLayout", "tensordesc<fp16[1, 64, 1, 64],NVMMASharedLayout",
+                 "tensordesc<bf16[1, 64, 1, 256],NVMMASharedLayout",
                  "('*fp32', 'D')", "('*fp32', '')", "('*bf16', '')", "('constexpr', 1)"):
         assert kind in specs, f"no case reaches the specialisation {kind}"
 

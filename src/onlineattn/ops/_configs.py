@@ -166,7 +166,8 @@ class BwdTile:
     tma: bool = False  # the streamed operands (Q, dO for dK/dV; K, V for dQ) through tensor descriptors
     split_scores: bool = False  # dK/dV only: score tiles split across warpgroups (backward.py, SPLIT_SCORES)
     gluon: bool = False  # dK/dV only: the warp-specialized Hopper kernel (backward_sm90.py): block_n = 128 keys over
-    #                      two 4-warp warpgroups, block_m = 64-row tiles of one head, num_stages Q/dO stages
+    #                      two 4-warp warpgroups at d = 64/128 (at d = 256: 64 keys shared by both, each with half
+    #                      of dK's and dV's columns), block_m = 64-row tiles of one head, num_stages Q/dO stages
     fused_dq: bool = False  # gluon only: that kernel also adds dQ (TMA reduce-adds into float32, in no fixed order:
     #                         not deterministic), and no dQ kernel runs
 
@@ -217,7 +218,7 @@ _BWD_FP32_D256 = BwdConfig(BwdTile(16, 16, 4, 1), BwdTile(16, 16, 4, 1))
 
 
 # - The warp-specialized Gluon dK/dV kernel (backward_sm90.py, session 19) beside the table's dQ kernel, for plain
-#   half-precision d = 64 / 128 launches on sm_90 (``ws_ok``); two Q/dO stages of 64 rows. Whole backward, TFLOP/s,
+#   half-precision d = 64 / 128 launches on sm_90 (``ws_ok``; d = 256 since session 20, below); two Q/dO stages of 64 rows. Whole backward, TFLOP/s,
 #   bf16, B·N = 16k tokens (.devrun/bsweep.py, bsweep2.py), against the Triton dK/dV tile:
 #   - non-causal d = 128 N = 512 / 1024 / 2048 / 4096 / 16384: 285 / 357-366 / 410 / 431 / 461 against 270 / 333-335
 #     / 368 / 388 / 398; d = 64: 273 / 329-334 / 363 / 390 / 405 against 269 / 313-317 / 334 / 357 / 362;

@@ -11,6 +11,9 @@ mbarriers, so both warpgroups read each tile once from shared memory. Per tile a
     dSᵀ = Pᵀ ∘ (dPᵀ − delta)
     dV += Pᵀ dO and dK += dSᵀ Q         (Pᵀ and dSᵀ as wgmma's register A operand)
 
+(at d = 256 each warpgroup computes Sᵀ and dPᵀ for half of the tile's rows and writes its Pᵀ and dSᵀ halves to
+shared memory, from where both warpgroups' dV and dK products read them),
+
 and the group's sum of dK and dV stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton kernel, whose
 delta pass and dQ kernel this one runs beside. Plain attention only: float16/bfloat16, equal head dims (64, 128 or 256),
 TMA-able strides, ``backward.py`` routes a launch here when ``bwd_config`` picks a ``gluon`` dK/dV tile.
@@ -86,6 +89,7 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # With FUSED_DQ: both warpgroups' dSᵀ of a row tile ([128 keys, 64 rows], two buffers), for dQ = dS K over all 128
     # keys (each warpgroup half of dQ's columns); "ds_ready" counts the two halves written, "ds_free" the two reads.
+    # At d = 256, ds_ready / ds_free index 0 serve _consumer_split's Pᵀ/dSᵀ halves (ds_smem goes unused there).
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2 if FUSED_DQ else 1, BLOCK_N, BLOCK_M], ds_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -120,6 +124,7 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     loads = (q_desc, k_desc, v_desc, do_desc) + smem + where + (
         LSE, DELTA, stride_lb, stride_lh, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ))
     if HEAD_DIM > 128:  # both warpgroups on the same keys, each with half of dK's and dV's columns (_consumer_split)
+        gl.static_assert(not FUSED_DQ, "fused_dq: d = 64 and 128 only")
         half_rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M // 2], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M // 2], half_rows)
         dst_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M // 2], half_rows)
@@ -371,6 +376,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     tile, Hq, D]``, contiguous, zeroed by the caller). Returns ``(grid, Relaunch or None)``: with ``keep``, the
     launch kept for repeats with new arrays (``descriptors(q, k, v, do, tile), lse, delta, dk, dv,
     dq_descriptor(dq_acc, ...)``, a placeholder descriptor when not fused)."""
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"q: the Hopper dK/dV kernel is built for head dims {HEAD_DIMS}, not {q.shape[-1]}")
     split = q.shape[-1] > 128  # d = 256: both warpgroups on 64 keys, each with half of dK's and dV's columns
     keys = KEYS_PER_WARPGROUP if split else 2 * KEYS_PER_WARPGROUP
     if tile.block_m != 64 or tile.block_n != keys or tile.num_warps != 4:
