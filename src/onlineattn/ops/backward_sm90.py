@@ -258,11 +258,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
 
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
     out_keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
-    keep = (out_keys < seqlen_k)[:, None]
-    p_dk = DK + off_b.to(gl.int64) * stride_dkb + off_hkv * stride_dkh + out_keys.to(gl.int64)[:, None] * stride_dks
-    p_dv = DV + off_b.to(gl.int64) * stride_dvb + off_hkv * stride_dvh + out_keys.to(gl.int64)[:, None] * stride_dvs
-    gl.store(p_dk + cols[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
-    gl.store(p_dv + cols[None, :], dv.to(DV.dtype.element_ty), mask=keep)
+    _store_dkdv(dk, dv, DK, DV, off_b, off_hkv, out_keys, cols, seqlen_k, stride_dkb, stride_dks, stride_dkh,
+                stride_dvb, stride_dvs, stride_dvh, sm_scale)
 
 
 @gluon.jit
@@ -330,6 +327,14 @@ def _consumer_split(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ba
 
     cols = tile.WG * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, kv_layout))
     out_keys = n0 + gl.arange(0, tile.BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    _store_dkdv(dk, dv, DK, DV, off_b, off_hkv, out_keys, cols, seqlen_k, stride_dkb, stride_dks, stride_dkh,
+                stride_dvb, stride_dvs, stride_dvh, sm_scale)
+
+
+@gluon.jit
+def _store_dkdv(dk, dv, DK, DV, off_b, off_hkv, out_keys, cols, seqlen_k, stride_dkb, stride_dks, stride_dkh,
+                stride_dvb, stride_dvs, stride_dvh, sm_scale):
+    """A warpgroup's dK (times the scale) and dV: rows ``out_keys`` (those past the end dropped), columns ``cols``."""
     keep = (out_keys < seqlen_k)[:, None]
     p_dk = DK + off_b.to(gl.int64) * stride_dkb + off_hkv * stride_dkh + out_keys.to(gl.int64)[:, None] * stride_dks
     p_dv = DV + off_b.to(gl.int64) * stride_dvb + off_hkv * stride_dvh + out_keys.to(gl.int64)[:, None] * stride_dvs
