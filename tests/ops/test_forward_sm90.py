@@ -48,16 +48,37 @@ def test_table_routes_plain_half_d64_d128_d256():
 
 def test_gluon_tile_is_refused_where_it_cannot_run():
     """A gluon tile passed as ``config`` still needs a call the kernel can run (CPU tensors here: not sm_90), and
-    the launcher refuses tiles other than 128 rows over two 4-warp warpgroups."""
+    the launcher refuses tiles other than 128 rows over two 4-warp warpgroups, and tiles whose Q, K/V stages and O
+    staging buffers exceed an SM's shared memory (three 128-key stages at d = 128)."""
     from onlineattn.ops import forward_sm90
 
     q, k, v = (torch.randn(1, 8, 2, 128, dtype=torch.bfloat16) for _ in range(3))
     assert not F.ws_ok(q, k, v, 0.1, PLAIN)
     with pytest.raises(ValueError, match="config"):
         F.forward(q, k, v, 0.1, False, config=_FWD_WS[False][128])
-    for bad in (replace(_FWD_WS[False][128], block_m=64), replace(_FWD_WS[False][128], num_warps=8)):
+    for bad in (replace(_FWD_WS[False][128], block_m=64), replace(_FWD_WS[False][128], num_warps=8),
+                replace(_FWD_WS[False][128], num_stages=3)):
         with pytest.raises(ValueError, match="config"):
             forward_sm90.launch(q, k, v, torch.empty_like(q), torch.empty(1, 2, 8), 0.1, False, bad)
+    assert forward_sm90.shared_bytes(128, replace(_FWD_WS[False][128], num_stages=3)) > forward_sm90.SHARED_BYTES
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            assert forward_sm90.shared_bytes(d, _FWD_WS[causal][d]) <= forward_sm90.SHARED_BYTES
+
+
+def test_out_must_be_tma_aligned_for_the_gluon_tile(monkeypatch):
+    """O leaves by TMA stores: an ``out`` whose base is not 16-byte aligned is routed to the Triton kernel by the
+    table and refused with an explicit gluon tile (CPU tensors, ``ws_ok`` forced: the routing alone); the repeat
+    key holds o's alignment."""
+    monkeypatch.setattr(F, "ws_ok", lambda *args: True)
+    q, k, v = (torch.randn(1, 8, 2, 128, dtype=torch.bfloat16) for _ in range(3))
+    odd = torch.empty(q.numel() + 1, dtype=q.dtype)[1:].view(q.shape)  # base 2 bytes past an aligned one
+    lse = torch.empty(1, 2, 8)
+    with pytest.raises(ValueError, match="out"):
+        F.forward(q, k, v, 0.1, False, out=odd, lse_out=lse, config=_FWD_WS[False][128])
+    assert not F._tma_ok(odd) and F._tma_ok(torch.empty_like(q))
+    key = lambda o: F._step_key(q, k, v, o, lse, 0.1, False, None)  # noqa: E731
+    assert key(odd) != key(torch.empty_like(q))
 
 
 _COMPILE = """
@@ -87,7 +108,8 @@ def test_kernel_compiles_for_sm90():
     """The whole pipeline (Gluon -> PTX -> cubin) for sm_90 on this machine: two consumer warpgroups, each issuing
     QKᵀ of the first block, QKᵀ and P·V in the loop and the last P·V (k = 16 per instruction: 4 x (8 + 8) wgmma at
     d = 128 with 128-key blocks, 4 x (4 + 8) at d = 64, 4 x (16 + 4) at d = 256 with 64-key blocks: none
-    duplicated), the partitions' register split, and Q plus the table's K/V stages within shared memory."""
+    duplicated), the partitions' register split, and Q, the table's K/V stages and the two O staging buffers (64 rows
+    by up to 128 columns each) within shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
@@ -99,7 +121,8 @@ def test_kernel_compiles_for_sm90():
         head, flag, wgmma, setmaxnreg, shared, stages, block_n = lines[7 * i: 7 * i + 7]
         assert (int(head), flag) == (d, causal) and int(wgmma) == {128: 64, 64: 48, 256: 80}[d]
         assert int(setmaxnreg) >= 2
-        assert 128 * d * 2 + int(stages) * 2 * int(block_n) * d * 2 <= int(shared) <= 227 * 1024
+        o_staging = 2 * 64 * min(d, 128) * 2
+        assert 128 * d * 2 + int(stages) * 2 * int(block_n) * d * 2 + o_staging <= int(shared) <= 227 * 1024
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -155,7 +178,7 @@ def test_long_and_strided_bf16(d, causal, table):
 
 def test_repeats_launch_a_kept_gluon_step(monkeypatch):
     """A plain whole-batch call routed here is kept (its launch as a Relaunch): later calls with the same metadata
-    relaunch it with their own tensors (fresh descriptors around q, k, v), without the routing checks (``ws_ok``);
+    relaunch it with their own tensors (fresh descriptors around q, k, v and o), without the routing checks (``ws_ok``);
     another shape, or a Relaunch that is not ready, takes the full path."""
     checks, starts, relaunches = [], [], []
     ready = [True]
@@ -177,7 +200,7 @@ def test_repeats_launch_a_kept_gluon_step(monkeypatch):
         o, lse = F.forward(q, k, v, 0.1, False, config=_FWD_WS[False][128])
         keep, grid, arrays = starts[-1] if expect_start else (True, *relaunches[-1])
         assert keep and grid == (2,)  # one 128-row tile per head
-        assert [a.base for a in arrays[:3]] == [q, k, v] and arrays[3] is o and arrays[4] is lse
+        assert [a.base for a in arrays[:4]] == [q, k, v, o] and arrays[4] is lse
     assert len(starts) == 2 and len(relaunches) == 2 and len(checks) == 2  # the first call of each shape
     ready[0] = False  # e.g. a new alignment: the Relaunch refuses, the call takes the full path (and keeps anew)
     F.forward(q, k, v, 0.1, False, config=_FWD_WS[False][128])
@@ -201,6 +224,28 @@ def test_repeat_relaunches_bitwise(causal, persistent, monkeypatch):
     again = F.forward(q.clone(), k.clone(), v.clone(), 0.1, causal, config=cfg)
     assert len(starts) == 1 and len(F._STEPS) == 1  # the second call was a repeat
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_out_view_is_written_within_its_rows(causal, d):
+    """``out`` a row slice of a larger NaN buffer, with [B, H, S, D] strides: the TMA stores of O write every row of
+    the view (odd length: the last tile is partial, its rows past the end dropped by the copy engine) and nothing
+    past it; a misaligned ``out`` takes the Triton kernel and still meets the rule."""
+    b, n, hq, hkv = 2, 333, 4, 2
+    q, k, v = _inputs(b, n, n, hq, hkv, d, d, torch.bfloat16, seed=d + causal, device="cuda")
+    big = torch.full((b, hq, n + 64, d), float("nan"), dtype=q.dtype, device="cuda")
+    out = big.transpose(1, 2)[:, :n]
+    lse = torch.empty(b, hq, n, device="cuda")
+    cfg = replace(_FWD_WS[causal][d], persistent=True)
+    o, lse = F.forward(q, k, v, d**-0.5, causal, out=out, lse_out=lse, config=cfg)
+    assert o is out and torch.isnan(big.transpose(1, 2)[:, n:]).all()
+    _check(q, k, v, causal, o, lse)
+    odd = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")[1:1 + q.numel()].view(q.shape)
+    o, lse = F.forward(q, k, v, d**-0.5, causal, out=odd, lse_out=lse)
+    _check(q, k, v, causal, o, lse)
 
 
 @gpu

@@ -271,7 +271,8 @@ def test_every_specialisation_splits_keys(recorded):
 
 def _gluon_calls(monkeypatch) -> list:
     """(kernel, grid, args, kwargs) of the Gluon forward (both schedules) and dK/dV launches over dtypes, head dims,
-    masks, GQA groups (1 is a constexpr to Triton), odd lengths and o/lse/delta/dk/dv pointers off 16-byte alignment."""
+    masks, GQA groups (1 is a constexpr to Triton), odd lengths and lse/delta/dk/dv pointers off 16-byte alignment
+    (the forward's o goes by descriptor: aligned, as ``forward.py`` routes it)."""
     from onlineattn.ops import backward_sm90, forward_sm90
     from onlineattn.ops._configs import _BWD_WS_DKDV, _FWD_WS
 
@@ -290,8 +291,7 @@ def _gluon_calls(monkeypatch) -> list:
                     case = Case(dtype=dtype, offset=8 * (i == 0) + (i == 1))  # outputs: aligned, or 2 bytes off
                     q, do = (torch.randn(b, sq, hq, d, dtype=dtype) for _ in range(2))
                     k, v = (torch.randn(b, sk, hkv, d, dtype=dtype) for _ in range(2))
-                    o, dk, dv = _tensor(case, q.shape, "cpu", 0), _tensor(case, k.shape, "cpu", 1), \
-                        _tensor(case, k.shape, "cpu", 2)
+                    o, dk, dv = torch.empty_like(q), _tensor(case, k.shape, "cpu", 1), _tensor(case, k.shape, "cpu", 2)
                     lse, delta = (torch.randn(b * hq * sq + case.offset)[case.offset:].view(b, hq, sq)
                                   for _ in range(2))
                     tile = _FWD_WS[causal][d]

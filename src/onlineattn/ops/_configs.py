@@ -98,6 +98,12 @@ _WS_TILE = FwdConfig(128, 128, 4, 3, tma=True, gluon=True)
 #   434; Triton 211 / 310 / 384 / 442 / 527; cuDNN 333 / 443 / 530 / 570 / 610). So both masks take it from 512,
 #   persistent non-causal and one program per tile causal, as at d = 128. ptxas: 80-136 B of spills.
 _WS_TILE_D256 = FwdConfig(128, 64, 4, 2, tma=True, gluon=True)
+# - O by TMA (session 21, NOTES v13): the O staging buffers (a warpgroup's 64 rows by up to 128 columns) leave no
+#   room for a third K/V stage at d = 128 (224 + 32 KiB). Two stages had read within the spread of three
+#   (.devrun/gsweep8.py s2q1 against s3q1: 441-446 / 495-516 / 549-559 / 579-596 / 616-624 against 428-438 /
+#   454-511 / 551-573 / 563-584 / 610-611 non-causal at N = 512 / 1024 / 2048 / 4096 / 16384), and with the TMA
+#   store two stages read 493-503 / 547-562 / 596-599 / 629-630 at 512 / 1024 / 2048 / 16384 (.devrun/esweep.py).
+_WS_TILE_D128 = replace(_WS_TILE, num_stages=2)
 # - Causal, persistent against one program per tile on the bench grid (session 20, .devrun/gsweep4.py, two passes
 #   each, TFLOP/s at N = 512 / 1024 / 2048 / 4096 / 8192):
 #   - d = 64: persistent 179 / 285-288 / 352-353 / 396-399 / 419-426, per tile 142 / 221-225 / 306-307 / 368-374 /
@@ -110,11 +116,23 @@ _WS_TILE_D256 = FwdConfig(128, 64, 4, 2, tma=True, gluon=True)
 #   A static persistent schedule loses where causal tiles are long and unequal; below that it hides each tile's
 #   prologue and epilogue. So causal launches run persistent below WS_CAUSAL_PERSISTENT_BELOW rows and keys, one
 #   program per tile from there, and d = 64 takes the Gluon kernel from 2048 (it led Triton there by 4-9 %).
-_FWD_WS = {False: {64: replace(_WS_TILE, persistent=True), 128: replace(_WS_TILE, persistent=True),
+_FWD_WS = {False: {64: replace(_WS_TILE, persistent=True), 128: replace(_WS_TILE_D128, persistent=True),
                    256: replace(_WS_TILE_D256, persistent=True)},
-           True: {64: _WS_TILE, 128: _WS_TILE, 256: _WS_TILE_D256}}
-WS_MIN_KEYS = {64: (512, 2048), 128: (512, 2048), 256: (512, 512)}
-WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 2048, 256: 4096}
+           True: {64: _WS_TILE, 128: _WS_TILE_D128, 256: _WS_TILE_D256}}
+# - With O by TMA (session 21, .devrun/tsweep.py, two passes; persistent / per tile / Triton / cuDNN, causal, at
+#   N = 512 / 1024 / 2048 / 4096 / 8192 / 16384):
+#   - d = 128: 267 / 417-427 / 494-498 / 536 / 554-555 / 461-476, per tile 232 / 350-354 / 449-450 / 521-522 /
+#     563-565 / 615-633, Triton 248 / 338-342 / 347-393 / 395-445 / 448-471 / 487-501 (cuDNN 325-329 / 412-418 /
+#     477-484 / 517-540 / 538-547 / 556-559). So the Gluon kernel from 512, persistent below 8192.
+#   - d = 64: 186-188 / 305 / 374-382 / 409-414 / 435-438 / 438-449, per tile 153 / 234 / 318 / 377-382 / 414-422 /
+#     397-448, Triton 211 / 288-291 / 334-358 / 329-371 / 369-392 / 387-400. So from 1024; at 16384 the two
+#     schedules' passes overlap, and the table keeps one program per tile there.
+#   - d = 256: 308-309 / 458 / 509-510 / 541-543 / 484-492 / 445-449, per tile 293-295 / 406 / 492 / 553-558 /
+#     584-591 / 651-652: persistent below 4096, as before.
+#   Non-causal, persistent led or tied per tile at every length and head dim (d = 128: 500-510 / 556-559 / 592-593 /
+#   603-605 / 612-614 / 612-613, cuDNN 490-508 / 553-562 / 585-594 / 599-605 / 606-609 / 611-618).
+WS_MIN_KEYS = {64: (512, 1024), 128: (512, 512), 256: (512, 512)}
+WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 8192, 256: 4096}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 where the
 #                                              Gluon kernel cannot run (above)
 

@@ -322,11 +322,11 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
     cfg = config or fwd_config(q.shape[-1], dv, q.dtype, causal, q.device.type, variants=mods is not PLAIN,
                                seqlen_q=mods.max_seqlen_q if mods.varlen else q.shape[1],
                                seqlen_k=mods.max_seqlen_k if mods.varlen else k.shape[1], tma_ok=tma_ok,
-                               ws_ok=tma_ok and ws_ok(q, k, v, scale, mods))
+                               ws_ok=tma_ok and ws_ok(q, k, v, scale, mods) and _tma_ok(o))
     if cfg.gluon:  # one launch: its grid is one-dimensional (tiles), with no grid-y limit to slice the batch for
-        if config is not None and not (tma_ok and ws_ok(q, k, v, scale, mods)):
+        if config is not None and not (tma_ok and ws_ok(q, k, v, scale, mods) and _tma_ok(o)):
             raise ValueError("config: a gluon tile runs only plain half-precision calls on sm_90 with equal head dims, "
-                             "a positive scale and TMA-aligned q, k and v")
+                             "a positive scale and TMA-aligned q, k, v and out")
         check_int32_offsets(o=o, lse=lse)  # the kernel's offsets within a batch entry are int32 (Q, K, V go by TMA)
         keep = mods is PLAIN and launch_cache.enabled  # kept: a repeat skips the routing above (_repeat)
         grid, kept = forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg, keep=keep)  # 1-D grid: no batch slices
@@ -429,10 +429,10 @@ _MAX_STEPS = 256  # shapes a process sees are few; past this the table starts ov
 
 def _step_key(q, k, v, o, lse, scale, causal, config):
     """What a plain whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars (with
-    their types), and the base alignment of Q, K and V (``_tma_ok`` reads it)."""
+    their types), and the base alignment of Q, K, V and O (``_tma_ok`` reads it)."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
             lse.stride(), q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype, q.device, scale, type(scale), causal,
-            type(causal), config, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16)
+            type(causal), config, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, o.data_ptr() % 16)
 
 
 def _repeat(q, k, v, o, lse, scale, causal, config) -> bool:
@@ -442,7 +442,7 @@ def _repeat(q, k, v, o, lse, scale, causal, config) -> bool:
         return False
     cfg, use_tma, grid, relaunch = step
     if cfg.gluon:  # the key holds all that routed it there (device, dtypes, alignment...)
-        return relaunch(grid, (*forward_sm90.descriptors(q, k, v, cfg), o, lse))
+        return relaunch(grid, (*forward_sm90.descriptors(q, k, v, o, cfg), lse))
     k_arg, v_arg = _kv_descriptors(k, v, cfg) if use_tma else (k, v)
     return relaunch(grid, (q, k_arg, v_arg, o, lse))
 

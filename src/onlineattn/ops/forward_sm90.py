@@ -6,7 +6,8 @@ A one-warp producer partition streams K and V blocks by TMA into a ring of ``num
 stage has a "ready" mbarrier (the copy landed) and an "empty" one (both consumers are done reading it). Each consumer
 keeps its own online-softmax state (m, l, acc) and, for block j, issues QKᵀ_j, then P_{j-1}·V_{j-1}, waits for
 QKᵀ_j only and runs block j's softmax while the tensor cores still add the previous block (P stays in registers as
-wgmma's A operand). The two warpgroups also overlap each other's softmax with their matmuls.
+wgmma's A operand). The two warpgroups also overlap each other's softmax with their matmuls. Each consumer
+writes its rows of O through a shared-memory staging buffer by TMA stores that run on under its next tile.
 
 Plain attention only: float16/bfloat16, equal head dims for K and V (64, 128 or 256), a positive scale, no score variants,
 strides a TMA descriptor accepts. ``forward.py`` routes a launch here when ``fwd_config`` picks a ``gluon`` tile
@@ -30,6 +31,8 @@ from ._common import LOG2E
 from ._launch import cdiv, start
 
 ROWS_PER_WARPGROUP = 64
+O_COLUMNS = 128  # an O store's box width (d = 256 stores two halves: a whole-row buffer would not fit)
+SHARED_BYTES = 232448  # an sm_90 program's most (227 KiB)
 HEAD_DIMS = (64, 128, 256)  # what this kernel is built and tested for (backward_sm90.HEAD_DIMS: the dK/dV kernel's)
 
 
@@ -60,7 +63,7 @@ class Tile:
 
 
 @gluon.jit
-def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
                               seqlen_q, seqlen_k, heads_q, group, qk_scale, num_tiles,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                               STAGES: gl.constexpr, CAUSAL: gl.constexpr):
@@ -69,6 +72,7 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_
     q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)  # a consumer's O rows
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -92,13 +96,10 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, O, LSE, stride_ob, stride_
     heads_q = gl.to_tensor(heads_q)
     num_tiles = gl.to_tensor(num_tiles)
     group = gl.to_tensor(group)
-    stride_ob = gl.to_tensor(stride_ob)
-    stride_os = gl.to_tensor(stride_os)
-    stride_oh = gl.to_tensor(stride_oh)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
     shape = (seqlen_q, seqlen_k, heads_q, num_tiles)
-    consumer = smem + shape + (O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale)
+    consumer = smem + shape + (o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale)
     gl.warp_specialize([
         (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL),)),
         (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL),)),
@@ -166,10 +167,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              seqlen_q, seqlen_k, heads_q, num_tiles,
-              O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, qk_scale, tile):
-    """One warpgroup: per tile, its 64 rows' online softmax over every key block, then their output and
-    log-sum-exp."""
+              seqlen_q, seqlen_k, heads_q, num_tiles, o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale, tile):
+    """One warpgroup: per tile, its 64 rows' online softmax over every key block, then their output (by TMA,
+    ``_store_o``) and log-sum-exp."""
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_N: gl.constexpr = tile.BLOCK_N
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -193,13 +193,36 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
         # o = acc / l and lse = (m + log2 l) · ln 2; a row that saw no key gets o = 0 and lse = -inf.
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-        o_rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
-        o_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        p_o = O + off_b.to(gl.int64) * stride_ob + off_h * stride_oh + o_rows.to(gl.int64)[:, None] * stride_os
-        gl.store(p_o + o_cols[None, :], o.to(O.dtype.element_ty), mask=(o_rows < seqlen_q)[:, None])
+        _store_o(o.to(o_desc.dtype), o_desc, o_smem.index(tile.WG), off_b, row0, off_h)
         rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
         lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
         gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
+    tma.store_wait(0)  # the last tile's O has left shared memory
+
+
+@gluon.jit
+def _store_o(o, o_desc, buf, off_b, row0, off_h):
+    """A warpgroup's 64 output rows ``o`` into O from ``row0`` by TMA stores from its staging buffer (one box of
+    ``o_desc``: 64 rows and up to 128 columns; d = 256 goes as two column halves). The copy engine drops rows past
+    the end. The stores run on while the warpgroup moves on: the buffer's next use waits for them to read it.
+    (Storing straight from registers measured 10-25 % slower at N <= 2048, NOTES v13: each thread's 4-byte
+    pieces of the wgmma layout.)"""
+    COLS: gl.constexpr = o_desc.block_type.shape[3]
+    staged = buf.reshape([64, COLS])
+    tma.store_wait(0)  # the buffer's last store has read it
+    if o.shape[1] == COLS:
+        staged.store(o)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], buf)
+    else:  # two column halves (a register-local split of the wgmma layout)
+        left, right = o.reshape([64, 2, COLS]).permute((0, 2, 1)).split()
+        staged.store(left)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, 0], buf)
+        tma.store_wait(0)
+        staged.store(right)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, COLS], buf)
 
 
 @gluon.jit
@@ -298,26 +321,38 @@ def descriptor(x, block: tuple) -> TensorDescriptor:
     return TensorDescriptor.from_tensor(x, list(block), _shared_layout(block, x.dtype))
 
 
-def descriptors(q, k, v, cfg) -> tuple:
-    """Q's, K's and V's descriptors for tile ``cfg``: one 128-row box of one head, one key block of one head."""
-    rows_block, keys_block = (1, cfg.block_m, 1, q.shape[-1]), (1, cfg.block_n, 1, q.shape[-1])
-    return descriptor(q, rows_block), descriptor(k, keys_block), descriptor(v, keys_block)
+def descriptors(q, k, v, o, cfg) -> tuple:
+    """Q's, K's, V's and O's descriptors for tile ``cfg``: one 128-row box of one head, one key block of one head,
+    and for O a warpgroup's 64 rows of one head by up to 128 columns (``O_COLUMNS``)."""
+    d = q.shape[-1]
+    rows_block, keys_block = (1, cfg.block_m, 1, d), (1, cfg.block_n, 1, d)
+    o_block = (1, ROWS_PER_WARPGROUP, 1, min(d, O_COLUMNS))
+    return descriptor(q, rows_block), descriptor(k, keys_block), descriptor(v, keys_block), descriptor(o, o_block)
+
+
+def shared_bytes(d: int, cfg) -> int:
+    """Shared memory a launch takes (element size 2): Q, ``num_stages`` K and V blocks, the two O staging buffers
+    (the mbarriers' few bytes aside)."""
+    return 2 * d * (cfg.block_m + 2 * cfg.num_stages * cfg.block_n) + 2 * 2 * ROWS_PER_WARPGROUP * min(d, O_COLUMNS)
 
 
 def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False):
     """``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]`` (checked by the caller: what ``forward.py`` routes here),
-    into ``o [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]`` (last dims contiguous). A ``persistent`` tile launches one
+    into ``o [B, Sq, Hq, D]`` (TMA-aligned, as q) and ``lse [B, Hq, Sq]`` (last dims contiguous). A ``persistent`` tile launches one
     program per SM, each looping over tiles; otherwise one program per tile. Returns ``(grid, Relaunch or None)``:
-    with ``keep``, the launch kept for repeats with new arrays (``descriptors(q, k, v, cfg), o, lse``)."""
+    with ``keep``, the launch kept for repeats with new arrays (``descriptors(q, k, v, o, cfg), lse``)."""
     if cfg.block_m != 2 * ROWS_PER_WARPGROUP or cfg.num_warps != 4:
         raise ValueError(f"config: the Hopper kernel runs 128-row tiles over two 4-warp warpgroups, not {cfg}")
     b, sq, hq, d = q.shape
+    if shared_bytes(d, cfg) > SHARED_BYTES:
+        raise ValueError(f"config: {cfg} needs {shared_bytes(d, cfg)} bytes of shared memory at d = {d}; an SM has "
+                         f"{SHARED_BYTES}")
     sk, hkv = k.shape[1], k.shape[2]
     num_tiles = cdiv(sq, cfg.block_m) * b * hq
     grid = (min(num_tiles, _sm_count(q.device)) if cfg.persistent else num_tiles,)
     kept = start(
         keep, attention_fwd_sm90_kernel, grid, 5,
-        *descriptors(q, k, v, cfg), o, lse, o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1),
+        *descriptors(q, k, v, o, cfg), lse, lse.stride(0), lse.stride(1),
         sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=causal, num_warps=4,
     )
