@@ -45,14 +45,13 @@ KEYS_PER_WARPGROUP = 64
 
 
 @_builtin
-def _tma_reduce_add(desc, coord, value, _semantic=None):
-    """Add register tensor ``value`` (the descriptor's block shape) into global memory at ``coord`` by a TMA
-    reduce (``tt.descriptor_reduce``: the TMA lowering stages it through shared memory and issues
-    ``cp.reduce.async.bulk.tensor``). Triton 3.6's Gluon exposes no such call."""
+def _tma_reduce_add(desc, coord, src, _semantic=None):
+    """Add shared-memory block ``src`` (the descriptor's block shape and layout) into global memory at ``coord`` by
+    an asynchronous TMA reduce (``cp.reduce.async.bulk.tensor``, one bulk group: ``tma.store_wait`` waits for it
+    like a store). Triton 3.6's Gluon exposes no such call; its register-operand ``descriptor_reduce`` waits for
+    the copy engine to read the staging memory at once, which measured slower (NOTES v13)."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    return _semantic.tensor(
-        _semantic.builder.create_descriptor_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, value.handle, coord),
-        gl.void)
+    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -94,6 +93,10 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     ds_smem = gl.allocate_shared_memory(dtype, [2 if FUSED_DQ else 1, BLOCK_N, BLOCK_M], ds_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # With FUSED_DQ: each warpgroup's dQ columns of a row tile (float32, the dQ descriptor's box), staged for its TMA
+    # reduce; without, a few rows that go unused.
+    staged_rows: gl.constexpr = BLOCK_M if FUSED_DQ else 8
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2, staged_rows, HEAD_DIM // 2], DQ.layout)
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2)  # the copies' expect-tx arrival, then the row statistics' one
@@ -118,7 +121,7 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty)
     where = (off_b, off_hkv, n0, lo, row_tiles, seqlen_q)
     dq_rows = gl.to_tensor(dq_rows)
-    consumer = smem + (ds_smem, ds_ready, ds_free) + where + (
+    consumer = smem + (ds_smem, ds_ready, ds_free, dq_smem) + where + (
         DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, dq_rows,
         seqlen_k, qk_scale, sm_scale)
     loads = (q_desc, k_desc, v_desc, do_desc) + smem + where + (
@@ -174,6 +177,7 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_smem, ds_ready, ds_free,
+              dq_smem,
               off_b, off_hkv, n0, lo, row_tiles, seqlen_q, DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb,
               stride_dvs, stride_dvh, dq_rows, seqlen_k, qk_scale, sm_scale, tile):
     """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale). With
@@ -244,7 +248,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
             mbarrier.arrive(ds_free.index(pbuf), count=1, pred=t > 0)
-            _add_dq(dq, DQ, off_b, off_hkv, t - 1, lo, row_tiles, dq_rows, t > 0, tile)
+            _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv, t - 1, lo, row_tiles, dq_rows, t > 0, tile)
         else:
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
@@ -254,7 +258,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(ds_free.index(last % 2), count=1, pred=n_tiles > 0)
-        _add_dq(dq, DQ, off_b, off_hkv, last, lo, row_tiles, dq_rows, n_tiles > 0, tile)
+        _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv, last, lo, row_tiles, dq_rows, n_tiles > 0, tile)
+        tma.store_wait(0)  # the last reduce has read its staging buffer
 
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
     out_keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
@@ -343,14 +348,18 @@ def _store_dkdv(dk, dv, DK, DV, off_b, off_hkv, out_keys, cols, seqlen_k, stride
 
 
 @gluon.jit
-def _add_dq(dq, dq_desc, off_b, off_hkv, t, lo, row_tiles, rows_per_batch, valid, tile):
+def _add_dq(dq, dq_desc, buf, off_b, off_hkv, t, lo, row_tiles, rows_per_batch, valid, tile):
     """Add row tile ``t``'s dQ columns of this warpgroup (``dq [BLOCK_M, D/2]``) into the accumulator (float32
     ``[B, rows_per_batch, Hq, D]`` seen as ``[B · rows_per_batch, Hq · D]``; each batch entry's rows padded to whole
-    tiles, so a tile never reaches the next entry's rows) by a TMA reduce, where ``valid``."""
+    tiles, so a tile never reaches the next entry's rows) by a TMA reduce from staging buffer ``buf``, where
+    ``valid``. The reduce runs on under the next row tile; the buffer's next use waits for it to be read."""
     head = off_hkv * tile.GROUP + t // row_tiles
     row0 = off_b * rows_per_batch + lo + (t % row_tiles) * tile.BLOCK_M
     if valid:
-        _tma_reduce_add(dq_desc, [row0, head * tile.HEAD_DIM + tile.WG * (tile.HEAD_DIM // 2)], dq)
+        tma.store_wait(0)  # the last reduce from this buffer (a row tile ago) has read it
+        buf.store(dq)
+        fence_async_shared()
+        _tma_reduce_add(dq_desc, [row0, head * tile.HEAD_DIM + tile.WG * (tile.HEAD_DIM // 2)], buf)
 
 
 def descriptors(q, k, v, do, tile) -> tuple:
