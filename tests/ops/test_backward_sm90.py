@@ -1,5 +1,6 @@
 """The warp-specialized Hopper dK/dV kernel (ops/backward_sm90.py): where the table routes it, that it compiles for
-sm_90 on any machine, and on an sm_90 GPU that dK and dV meet the §3 rule (dQ comes from the Triton kernel)."""
+sm_90 on any machine, and on an sm_90 GPU that dK and dV meet the §3 rule, and dQ where the kernel adds it (fused,
+in any order or in a fixed one); elsewhere dQ comes from the Triton kernel."""
 
 import os
 import subprocess
@@ -14,7 +15,9 @@ from onlineattn import reference as R
 from onlineattn._mods import PLAIN
 from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
-from onlineattn.ops._configs import _BWD_WS_DKDV, BWD_FUSED_DQ_MIN_KEYS, BWD_WS_MIN_KEYS, bwd_config
+from onlineattn.ops._configs import (
+    _BWD_WS_DKDV, BWD_FUSED_DQ_MIN_KEYS, BWD_ORDERED_DQ_MIN_KEYS, BWD_WS_MIN_KEYS, bwd_config,
+)
 from tests.ops.test_backward import _baseline_grads
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,9 +67,31 @@ def test_table_fuses_dq_only_where_allowed():
     assert not pick(ws_ok=False, deterministic=False).dkdv.gluon
 
 
+def test_table_orders_the_fused_dq_for_deterministic_calls():
+    """Deterministic calls take the fused kernel with its adds ordered (``dq_ordered``) from
+    BWD_ORDERED_DQ_MIN_KEYS rows and keys, where the device runs all of a (batch, kv head)'s key blocks at once
+    (``ordered_blocks``); not below those lengths, with more key blocks, or when the device is unknown (0)."""
+    pick = lambda d=128, causal=False, n=16384, m=None, **kw: bwd_config(  # noqa: E731
+        d, d, torch.bfloat16, "cuda", causal=causal, seqlen_q=n if m is None else m, seqlen_k=n,
+        **{"ws_ok": True, "ordered_blocks": 132, **kw})
+    assert set(BWD_ORDERED_DQ_MIN_KEYS) == {64, 128}
+    for d, lengths in BWD_ORDERED_DQ_MIN_KEYS.items():
+        for causal in (False, True):
+            least = lengths[causal]
+            if least is None:  # never: deterministic calls keep the dQ kernel
+                assert not pick(d, causal=causal, n=16384).dkdv.fused_dq
+                continue
+            assert pick(d, causal=causal, n=least).dkdv == replace(_BWD_WS_DKDV[d], fused_dq=True, dq_ordered=True)
+            assert pick(d, causal=causal, n=least, deterministic=False).dkdv == replace(_BWD_WS_DKDV[d], fused_dq=True)
+            for kept in (pick(d, causal=causal, n=least - 1), pick(d, causal=causal, n=least, m=least - 1),
+                         pick(d, causal=causal, n=least, ordered_blocks=0),
+                         pick(d, causal=causal, n=max(least, 128 * 133), ordered_blocks=132)):
+                assert not kept.dkdv.fused_dq
+
+
 def test_fused_dq_tile_needs_deterministic_false():
-    """An explicit fused_dq tile is refused (ValueError naming config) when the call must be deterministic: by
-    default, or under torch.use_deterministic_algorithms(True) even with deterministic=False."""
+    """An explicit fused_dq tile without dq_ordered is refused (ValueError naming config) when the call must be
+    deterministic: by default, or under torch.use_deterministic_algorithms(True) even with deterministic=False."""
     q, k, v, do = (torch.randn(1, 8, 2, 128, dtype=torch.bfloat16) for _ in range(4))
     o, lse = F.forward(q, k, v, 0.1, False)
     cfg = replace(bwd_config(128, 128, torch.bfloat16, "cuda"), dkdv=replace(_BWD_WS_DKDV[128], fused_dq=True))
@@ -105,6 +130,33 @@ def test_gluon_tile_is_refused_where_it_cannot_run():
         backward_sm90.launch_dkdv(q, k, v, do, lse, delta, k, v, 0.1, False, _BWD_WS_DKDV[128])
 
 
+def test_ordered_tile_is_refused_where_it_cannot_run(monkeypatch):
+    """dq_ordered needs fused_dq and the int32 counters (and only it takes them, of the right shape), and no more
+    key blocks per (batch, kv head) than the device runs at once (ValueError naming the argument)."""
+    from onlineattn.ops import backward_sm90
+
+    q, k, v, do = (torch.randn(1, 300, 2, 128, dtype=torch.bfloat16) for _ in range(4))
+    lse = torch.randn(1, 2, 300)
+    ordered = replace(_BWD_WS_DKDV[128], fused_dq=True, dq_ordered=True)
+    acc, sem = torch.zeros(1, 320, 2, 128), torch.zeros(1, 2, 5, dtype=torch.int32)
+    launch = lambda tile, **kw: backward_sm90.launch_dkdv(q, k, v, do, lse, lse, k, v, 0.1, False, tile,  # noqa: E731
+                                                          **kw)
+    with pytest.raises(ValueError, match="config: dq_ordered orders a fused_dq"):
+        launch(replace(_BWD_WS_DKDV[128], dq_ordered=True), dq_sem=sem)
+    with pytest.raises(ValueError, match="dq_sem"):
+        launch(ordered, dq_acc=acc)
+    with pytest.raises(ValueError, match="dq_sem"):
+        launch(replace(ordered, dq_ordered=False), dq_acc=acc, dq_sem=sem)
+    with pytest.raises(ValueError, match="dq_sem"):
+        launch(ordered, dq_acc=acc, dq_sem=torch.zeros(1, 2, 4, dtype=torch.int32))
+    monkeypatch.setattr(backward_sm90, "ordered_blocks", lambda device: 2)  # 300 keys: 3 blocks of 128
+    with pytest.raises(ValueError, match="config: dq_ordered needs all 3 key blocks"):
+        launch(ordered, dq_acc=acc, dq_sem=sem)
+    cfg = replace(bwd_config(128, 128, torch.bfloat16, "cuda"), dkdv=ordered)  # deterministic calls may take it; on
+    with pytest.raises(ValueError, match="config: a gluon dK/dV tile runs only"):  # the CPU no gluon tile runs
+        B.backward(do, q, k, v, torch.randn_like(q), lse, 0.1, False, config=cfg)
+
+
 _COMPILE = """
 import sys, torch, triton
 sys.path.insert(0, {bench!r})
@@ -113,8 +165,9 @@ triton.runtime.driver.set_active(Sm90NoLaunch())
 from dataclasses import replace
 from onlineattn.ops import backward_sm90
 from onlineattn.ops._configs import _BWD_WS_DKDV
-for d, causal, fused in ((128, False, False), (64, True, False), (128, True, True), (64, False, True), (256, True, False),
-                         (256, False, False)):
+for d, causal, fused, ordered in ((128, False, False, False), (64, True, False, False), (128, True, True, False),
+                                  (64, False, True, False), (256, True, False, False), (256, False, False, False),
+                                  (128, False, True, True), (64, True, True, True)):
     q = torch.randn(2, 300, 8, d, dtype=torch.bfloat16)
     k = torch.randn(2, 300, 2, d, dtype=torch.bfloat16)
     lse = torch.randn(2, 8, 300)
@@ -123,10 +176,13 @@ for d, causal, fused in ((128, False, False), (64, True, False), (128, True, Tru
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = lambda *a, **kw: compiled.append(
         run(*a, **{{**kw, "warmup": True}}))
     backward_sm90.launch_dkdv(q, k, k, q, lse, lse, torch.empty_like(k), torch.empty_like(k), 0.1, causal,
-                              replace(_BWD_WS_DKDV[d], fused_dq=fused), dq_acc=torch.zeros(2, 320, 8, d) if fused else None)
+                              replace(_BWD_WS_DKDV[d], fused_dq=fused, dq_ordered=ordered),
+                              dq_acc=torch.zeros(2, 320, 8, d) if fused else None,
+                              dq_sem=torch.zeros(2, 8, 5, dtype=torch.int32) if ordered else None)
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
-    print(d, ptx.count("wgmma.mma_async"), int("cp.reduce.async.bulk.tensor" in ptx))
+    print(d, ptx.count("wgmma.mma_async"), int("cp.reduce.async.bulk.tensor" in ptx),
+          int("ld.acquire.gpu" in ptx and "red.release.gpu" in ptx))
 # one query row of one head: lse's batch stride is 1, an int Triton makes a constexpr (partition arguments must not be)
 q, k, lse = torch.randn(2, 1, 1, 64, dtype=torch.bfloat16), torch.randn(2, 3, 1, 64, dtype=torch.bfloat16), torch.randn(2, 1, 1)
 assert lse.stride(0) == 1
@@ -138,14 +194,16 @@ print("tiny")
 def test_kernel_compiles_for_sm90():
     """Gluon -> PTX -> cubin for sm_90: per warpgroup and row tile Sᵀ and dPᵀ (d / 16 wgmma each) and dV and dK
     (64 rows / 16 each), nothing duplicated; fused_dq adds dQ's half (128 keys / 16, in the loop and once after it
-    for the last tile) and its float32 TMA reduce-adds."""
+    for the last tile) and its float32 TMA reduce-adds; dq_ordered the writer warp's acquiring counter loads and
+    releasing adds (and the same matmuls)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["128", "48", "0", "64", "32", "0", "128", "80", "1", "64", "64", "1", "256", "80", "0",
-                                  "256", "80", "0", "tiny"], out.stdout
+    assert out.stdout.split() == ["128", "48", "0", "0", "64", "32", "0", "0", "128", "80", "1", "0", "64", "64", "1",
+                                  "0", "256", "80", "0", "0", "256", "80", "0", "0", "128", "80", "1", "1", "64", "64",
+                                  "1", "1", "tiny"], out.stdout
 
 
 SHAPES = [  # b, sq, sk, hq, hkv
@@ -161,21 +219,24 @@ SHAPES = [  # b, sq, sk, hq, hkv
 
 @gpu
 @sm90
-@pytest.mark.parametrize("d,fused", [(64, False), (64, True), (128, False), (128, True), (256, False)],
-                         ids=["64", "64-fused-dq", "128", "128-fused-dq", "256"])
+@pytest.mark.parametrize("d,fused,ordered", [(64, False, False), (64, True, False), (64, True, True),
+                                             (128, False, False), (128, True, False), (128, True, True),
+                                             (256, False, False)],
+                         ids=["64", "64-fused-dq", "64-ordered-dq", "128", "128-fused-dq", "128-ordered-dq", "256"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_oracle(shape, causal, dtype, d, fused):
-    """dK, dV (and dQ) of either dQ path at d = 64 and 128, and of the split-head-dim kernel at d = 256, against the
-    oracle under the §3 rule."""
+def test_matches_oracle(shape, causal, dtype, d, fused, ordered):
+    """dK, dV (and dQ) of each dQ path at d = 64 and 128 (the dQ kernel, fused in any order, fused in a fixed
+    order), and of the split-head-dim kernel at d = 256, against the oracle under the §3 rule."""
     b, sq, sk, hq, hkv = shape
     g = torch.Generator().manual_seed(sum(shape) + d + causal)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", dtype)
                    for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
     o, lse = F.forward(q, k, v, d**-0.5, causal)
-    cfg = replace(bwd_config(d, d, dtype, "cuda", causal=causal), dkdv=replace(_BWD_WS_DKDV[d], fused_dq=fused))
-    dq, dk, dv = B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=cfg, deterministic=not fused)
+    cfg = replace(bwd_config(d, d, dtype, "cuda", causal=causal),
+                  dkdv=replace(_BWD_WS_DKDV[d], fused_dq=fused, dq_ordered=ordered))
+    dq, dk, dv = B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=cfg, deterministic=ordered or not fused)
     exact = R.naive_attention_backward(q, k, v, do, causal=causal)
     base = _baseline_grads(q, k, v, do, causal)
     for name, got, want, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), exact, base):
@@ -185,11 +246,12 @@ def test_matches_oracle(shape, causal, dtype, d, fused):
 @gpu
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d,fused", [(128, False), (128, True), (256, False)], ids=["128", "128-fused-dq", "256"])
-def test_repeat_relaunches_bitwise(causal, d, fused, monkeypatch):
+@pytest.mark.parametrize("d,fused,ordered", [(128, False, False), (128, True, False), (128, True, True), (256, False, False)],
+                         ids=["128", "128-fused-dq", "128-ordered-dq", "256"])
+def test_repeat_relaunches_bitwise(causal, d, fused, ordered, monkeypatch):
     """A plain call seen before relaunches its kept launches (the Gluon dK/dV one among them, around fresh
-    descriptors) with new tensors, and gives bitwise what the full path gave (dQ of the fused tile: to within its
-    float32 summation order)."""
+    descriptors and counters) with new tensors, and gives bitwise what the full path gave (dQ of the unordered
+    fused tile: to within its float32 summation order)."""
     from onlineattn.ops import backward_sm90
 
     monkeypatch.setattr(B, "_STEPS", {})
@@ -201,12 +263,13 @@ def test_repeat_relaunches_bitwise(causal, d, fused, monkeypatch):
                    for n, h in ((300, 4), (300, 2), (300, 2), (300, 4)))
     o, lse = F.forward(q, k, v, 0.1, causal)
     cfg = replace(bwd_config(d, d, torch.bfloat16, "cuda", causal=causal),
-                  dkdv=replace(_BWD_WS_DKDV[d], fused_dq=fused))
-    first = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg, deterministic=not fused)
-    again = B.backward(*(x.clone() for x in (do, q, k, v, o, lse)), 0.1, causal, config=cfg, deterministic=not fused)
+                  dkdv=replace(_BWD_WS_DKDV[d], fused_dq=fused, dq_ordered=ordered))
+    exact = ordered or not fused
+    first = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg, deterministic=exact)
+    again = B.backward(*(x.clone() for x in (do, q, k, v, o, lse)), 0.1, causal, config=cfg, deterministic=exact)
     assert len(starts) == 1 and len(B._STEPS) == 1  # the second call was a repeat
     assert torch.equal(first[1], again[1]) and torch.equal(first[2], again[2])
-    if fused:  # float32 reduce-adds in any order: equal up to the last bits of float32 before the rounding to bf16
+    if not exact:  # float32 reduce-adds in any order: equal up to the last bits of float32 before the rounding to bf16
         torch.testing.assert_close(first[0].float(), again[0].float(), rtol=2**-7, atol=1e-6)
     else:
         assert torch.equal(first[0], again[0])
@@ -215,16 +278,18 @@ def test_repeat_relaunches_bitwise(causal, d, fused, monkeypatch):
 @gpu
 @sm90
 def test_table_fused_dq_follows_the_call(monkeypatch):
-    """Through the table at d = 128 and N = BWD_FUSED_DQ_MIN_KEYS: deterministic=False launches the fused kernel,
-    deterministic=True and torch's deterministic mode the dQ kernel (bitwise reproducible); each choice is kept as
-    its own repeatable step, so a later call never reuses the other's launches."""
+    """Through the table at d = 128 and N = BWD_FUSED_DQ_MIN_KEYS (= BWD_ORDERED_DQ_MIN_KEYS): deterministic=False
+    launches the fused kernel with its adds in any order, deterministic=True and torch's deterministic mode the
+    fused kernel with its adds ordered (bitwise reproducible); each choice is kept as its own repeatable step, so a
+    later call never reuses the other's launches."""
     from onlineattn.ops import backward_sm90
 
     monkeypatch.setattr(B, "_STEPS", {})
     fused = []
     start = backward_sm90.start
-    monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: fused.append(kw["FUSED_DQ"]) or start(*a, **kw))
-    n = BWD_FUSED_DQ_MIN_KEYS[128][False]
+    monkeypatch.setattr(backward_sm90, "start",
+                        lambda *a, **kw: fused.append((kw["FUSED_DQ"], kw["ORDERED"])) or start(*a, **kw))
+    n = max(BWD_FUSED_DQ_MIN_KEYS[128][False], BWD_ORDERED_DQ_MIN_KEYS[128][False])
     g = torch.Generator().manual_seed(11)
     q, k, v, do = (torch.randn(1, n, 2, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
     o, lse = F.forward(q, k, v, 0.1, False)
@@ -236,26 +301,28 @@ def test_table_fused_dq_follows_the_call(monkeypatch):
         forced = B.backward(do, q, k, v, o, lse, 0.1, False, deterministic=False)
     finally:
         torch.use_deterministic_algorithms(was)
-    assert fused == [True, False] and len(B._STEPS) == 2  # the forced call repeated the deterministic step
+    assert fused == [(True, False), (True, True)] and len(B._STEPS) == 2  # the forced call repeated the second
     assert all(torch.equal(a, b) for a, b in zip(exact, forced))
-    assert torch.equal(loose[1], exact[1]) and torch.equal(loose[2], exact[2])  # dK, dV: the same kernel's sums
-    torch.testing.assert_close(loose[0], exact[0], rtol=2**-6, atol=2**-10)
+    for a, b in zip(loose, exact):  # ordered non-causal key blocks take their row tiles rotated: dK, dV sum apart
+        torch.testing.assert_close(a, b, rtol=2**-6, atol=2**-10)
 
 
 @gpu
 @sm90
 def test_attention_deterministic_false_takes_the_fused_dq(monkeypatch):
     """End to end: ``onlineattn.attention(..., deterministic=False)`` with autograd launches the fused kernel at
-    d = 128 from BWD_FUSED_DQ_MIN_KEYS; the default call the deterministic Gluon dK/dV kernel beside the dQ kernel (at
-    a length where both take the Gluon kernel: dK and dV bitwise equal, dQ within the summation order;
-    test_matches_oracle holds both paths to the §3 rule)."""
+    d = 128 from BWD_FUSED_DQ_MIN_KEYS with its adds in any order; the default call below BWD_ORDERED_DQ_MIN_KEYS the
+    deterministic Gluon dK/dV kernel beside the dQ kernel (dK and dV bitwise equal, dQ within the summation order;
+    test_matches_oracle holds every path to the §3 rule)."""
     import onlineattn
     from onlineattn.ops import backward_sm90
 
     fused = []
     start = backward_sm90.start
-    monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: fused.append(kw["FUSED_DQ"]) or start(*a, **kw))
+    monkeypatch.setattr(backward_sm90, "start",
+                        lambda *a, **kw: fused.append((kw["FUSED_DQ"], kw["ORDERED"])) or start(*a, **kw))
     n = max(BWD_FUSED_DQ_MIN_KEYS[128][True], BWD_WS_MIN_KEYS[128][True])
+    assert n < BWD_ORDERED_DQ_MIN_KEYS[128][True]
     g = torch.Generator().manual_seed(13)
     base = [torch.randn(1, n, 2, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(4)]
     grads = {}
@@ -263,9 +330,37 @@ def test_attention_deterministic_false_takes_the_fused_dq(monkeypatch):
         q, k, v = (x.clone().requires_grad_() for x in base[:3])
         onlineattn.attention(q, k, v, causal=True, deterministic=deterministic).backward(base[3])
         grads[deterministic] = (q.grad, k.grad, v.grad)
-    assert fused == [True, False]
+    assert fused == [(True, False), (False, False)]
     assert torch.equal(grads[False][1], grads[True][1]) and torch.equal(grads[False][2], grads[True][2])
     torch.testing.assert_close(grads[False][0], grads[True][0], rtol=2**-6, atol=2**-10)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(2, 2048, 2048, 8, 2, 128), (1, 1000, 1000, 4, 2, 64), (2, 700, 1300, 6, 2, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_ordered_dq_is_bitwise_reproducible(shape, causal):
+    """The ordered fused dQ gives the same bits on every run (four here), over GQA groups, odd lengths and Sq != Sk
+    (causal: several key blocks then see the first row tile, their adds ordered among themselves; non-causal: key
+    blocks start a non-power-of-two number of tiles apart), and stays within the summation order of the dQ kernel's
+    result; causal dK and dV are that kernel's bitwise (the same sums in the same order, the programs launched in
+    reverse), non-causal ones within their summation order (each key block's row tiles in rotated order)."""
+    b, sq, sk, hq, hkv, d = shape
+    g = torch.Generator().manual_seed(sq + sk + causal)
+    q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", torch.bfloat16)
+                   for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+    o, lse = F.forward(q, k, v, d**-0.5, causal)
+    base = bwd_config(d, d, torch.bfloat16, "cuda", causal=causal)
+    ordered = replace(base, dkdv=replace(_BWD_WS_DKDV[d], fused_dq=True, dq_ordered=True))
+    runs = [B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=ordered) for _ in range(4)]
+    for again in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], again))
+    kernel = B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=replace(base, dkdv=_BWD_WS_DKDV[d]))
+    for i, (a, b) in enumerate(zip(runs[0], kernel)):
+        if causal and i > 0:
+            assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=2**-6, atol=2**-10)
 
 
 @gpu

@@ -298,6 +298,12 @@ def _gluon_calls(monkeypatch) -> list:
                     for cfg in (tile, replace(tile, persistent=not tile.persistent)):
                         forward_sm90.launch(q, k, v, o, lse, 0.1, causal, cfg)
                     backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, 0.1, causal, _BWD_WS_DKDV[d])
+                    if d < 256 and i == 0:  # the fused dQ, with its adds ordered (int32 counters: one more array)
+                        tiles = -(-sq // 64)
+                        backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, 0.1, causal,
+                                                  replace(_BWD_WS_DKDV[d], fused_dq=True, dq_ordered=True),
+                                                  dq_acc=torch.zeros(b, tiles * 64, hq, d),
+                                                  dq_sem=torch.zeros(b, hq, tiles, dtype=torch.int32))
     return calls
 
 

@@ -188,6 +188,8 @@ class BwdTile:
     #                      of dK's and dV's columns), block_m = 64-row tiles of one head, num_stages Q/dO stages
     fused_dq: bool = False  # gluon only: that kernel also adds dQ (TMA reduce-adds into float32, in no fixed order:
     #                         not deterministic), and no dQ kernel runs
+    dq_ordered: bool = False  # fused_dq only: the adds go in a fixed order (per-tile counters, a writer warp), so dQ
+    #                           is deterministic; needs every key block of a (batch, kv head) resident at once
 
 
 @dataclass(frozen=True)
@@ -275,14 +277,29 @@ BWD_WS_MIN_KEYS = {64: (512, 1024), 128: (512, 4096), 256: (512, 512)}
 #   16384 (both masks). Below BWD_WS_MIN_KEYS too, where the Triton dK/dV tile would run otherwise. v2 (atomics in place of the TMA
 #   reduces) lost everywhere (d = 128 N = 16384: 444 against 462).
 BWD_FUSED_DQ_MIN_KEYS = {64: (16384, 16384), 128: (1024, 2048)}
+# - The ordered fused dQ (session 21, NOTES v13): the same kernel with a writer warp that adds each dQ tile after the
+#   adds that precede it in a fixed order (per-tile counters), so dQ is bitwise reproducible and deterministic calls
+#   can take it. Non-causal key blocks start their row tiles spread apart (a tile's adds come steps apart); causal
+#   programs launch last key block first. Whole backward against Gluon dK/dV + Triton dQ (.devrun/bsweep5.py, two
+#   passes, cuDNN in the same run), d = 128:
+#   - non-causal N = 1024 / 2048 / 4096 / 16384: 361-363 / 422-424 / 465-467 / 455-463 against 351-364 / 401-403 /
+#     427-428 / 439-456 (with launch order instead of spread starts: 271-273 / 306 / 343 / 454-462);
+#   - causal N = 1024 / 2048 / 4096 / 8192 / 16384 (launch order, reversed): 222-224 / 291 / 353-354 / 423 / 483-489
+#     against 260-263 / 327-334 / 374-381 / 411-414 / 442 (without the reversal: 211 / 255 / 277 / - / 191).
+#   - d = 64: non-causal lost (spread starts 293 / 389-391 / 302 at N = 1024 / 4096 / 16384 against 321-330 /
+#     383-389 / 398-403); causal led at 16384 only (398-401 against 376).
+#   The unordered fused tile stays ahead (d = 128 non-causal 16384: 520-523): the ordered adds wait on each other.
+#   So deterministic calls take it from these lengths (None: never).
+BWD_ORDERED_DQ_MIN_KEYS = {64: (None, 16384), 128: (2048, 8192)}
 
 
 def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *,
                causal: bool = False, ws_ok: bool = False, seqlen_q: int | None = None,
-               seqlen_k: int | None = None, deterministic: bool = True) -> BwdConfig:
+               seqlen_k: int | None = None, deterministic: bool = True, ordered_blocks: int = 0) -> BwdConfig:
     """The tiles of a backward launch; ``ws_ok``: the Hopper dK/dV kernel can run it (``backward.ws_ok``);
     ``seqlen_q``/``seqlen_k``: query rows / keys per sequence (None: unknown, and the Hopper kernel is not taken);
-    ``deterministic``: only bitwise-reproducible tiles (no fused dQ)."""
+    ``deterministic``: only bitwise-reproducible tiles (a fused dQ only with ``dq_ordered``); ``ordered_blocks``:
+    the most key blocks a ``dq_ordered`` launch may have on this device (``backward_sm90.ordered_blocks``)."""
     if device_type != "cuda":
         return _BWD_INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
@@ -296,6 +313,10 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
     fused_from = BWD_FUSED_DQ_MIN_KEYS.get(head_dim)
     if not deterministic and fused_from is not None and shortest >= fused_from[causal]:
         return replace(cfg, dkdv=replace(ws, fused_dq=True))
+    ordered_from = BWD_ORDERED_DQ_MIN_KEYS.get(head_dim, (None, None))[causal]
+    if (deterministic and ordered_from is not None and shortest >= ordered_from
+            and -(-seqlen_k // ws.block_n) <= ordered_blocks):
+        return replace(cfg, dkdv=replace(ws, fused_dq=True, dq_ordered=True))
     return cfg if shortest < BWD_WS_MIN_KEYS[head_dim][causal] else replace(cfg, dkdv=ws)
 
 

@@ -449,12 +449,13 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
         hopper = ws_ok(do, q, k, v, mods)
         cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, causal=causal,
                                    ws_ok=hopper and not mods.varlen, seqlen_q=sq, seqlen_k=k.shape[1],
-                                   deterministic=exact)
+                                   deterministic=exact,
+                                   ordered_blocks=backward_sm90.ordered_blocks(q.device) if hopper else 0)
         if cfg.dkdv.fused_dq and not cfg.dkdv.gluon:
             raise ValueError("config: fused_dq needs a gluon dK/dV tile (the Hopper kernel adds dQ)")
-        if cfg.dkdv.fused_dq and exact:
-            raise ValueError("config: a fused_dq tile sums dQ in no fixed order; it needs deterministic=False and "
-                             "torch's deterministic algorithms off")
+        if cfg.dkdv.fused_dq and exact and not cfg.dkdv.dq_ordered:
+            raise ValueError("config: a fused_dq tile without dq_ordered sums dQ in no fixed order; it needs "
+                             "deterministic=False and torch's deterministic algorithms off")
         if cfg.dkdv.gluon and not hopper:
             raise ValueError("config: a gluon dK/dV tile runs only plain half-precision calls on sm_90 with equal "
                              "head dims of 64, 128 or 256 (backward_sm90.HEAD_DIMS) and TMA-aligned q, k, v and do")
@@ -551,9 +552,9 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     scalars = (sq, sk, hkv, scale * LOG2E, scale)
     t = cfg.dkdv
     if t.gluon:
-        dq_acc = _dq_accumulator(dq, t) if t.fused_dq else None
+        dq_acc, dq_sem = _dq_accumulator(dq, t) if t.fused_dq else (None, None)
         grid_dkdv, dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep,
-                                                    dq_acc=dq_acc)
+                                                    dq_acc=dq_acc, dq_sem=dq_sem)
         if t.fused_dq:  # dQ came with dK and dV, and no dQ kernel runs
             _scale_dq(dq_acc, scale, dq)
             return (grid_dkdv, dkdv), (None, None)
@@ -585,9 +586,14 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
 
 def _dq_accumulator(dq, tile):
     """Zeroed float32 dQ ``[B, Sq rounded up to the row tile, Hq, D]`` for a ``fused_dq`` kernel's TMA reduces (dq's
-    own layout: the final scaling reads it contiguously)."""
+    own layout: the final scaling reads it contiguously), and for a ``dq_ordered`` one its zeroed int32 counters
+    ``[B, Hq, row tiles]`` (else None), both from one zeroed allocation."""
     b, sq, hq, d = dq.shape
-    return torch.zeros((b, cdiv(sq, tile.block_m) * tile.block_m, hq, d), dtype=torch.float32, device=dq.device)
+    tiles = cdiv(sq, tile.block_m)
+    n_acc, n_sem = b * tiles * tile.block_m * hq * d, b * hq * tiles if tile.dq_ordered else 0
+    zeros = torch.zeros(n_acc + n_sem, dtype=torch.float32, device=dq.device)
+    dq_acc = zeros[:n_acc].view(b, tiles * tile.block_m, hq, d)
+    return dq_acc, zeros[n_acc:].view(torch.int32).view(b, hq, tiles) if tile.dq_ordered else None
 
 
 def _scale_dq(dq_acc, scale: float, dq) -> None:
@@ -654,11 +660,11 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
     (grid_pre, pre), (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.pre, step.dkdv, step.dq
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     arrays_pre = (o, do, lse if dlse is None else dlse, delta)
-    dq_acc = _dq_accumulator(dq, step.cfg.dkdv) if fused else None
+    dq_acc, dq_sem = _dq_accumulator(dq, step.cfg.dkdv) if fused else (None, None)
     if step.cfg.dkdv.gluon:
         descriptors = backward_sm90.descriptors(q, k, v, do, step.cfg.dkdv)
         dq_arg = backward_sm90.dq_descriptor(dq_acc, step.cfg.dkdv, q.shape[-1], q.device)
-        arrays_dkdv = (*descriptors, lse, delta, dk, dv, dq_arg)
+        arrays_dkdv = (*descriptors, lse, delta, dk, dv, dq_arg, backward_sm90.semaphores(dq_sem, q.device))
     else:
         arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
     arrays_dq = (q, k_arg, v_arg, do, lse, delta, dq)

@@ -55,14 +55,16 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQ,
+def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQ, SEM,
                                    stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
                                    stride_dvb, stride_dvs, stride_dvh, dq_rows,
                                    seqlen_q, seqlen_k, heads_kv, qk_scale,
                                    sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-                                   FUSED_DQ: gl.constexpr):
+                                   FUSED_DQ: gl.constexpr, ORDERED: gl.constexpr = False):
     pid_n = gl.program_id(0)
+    if ORDERED and CAUSAL:  # the last key blocks first: a tile's causal adds come from them first (_turn)
+        pid_n = gl.num_programs(0) - 1 - pid_n
     pid_bh = gl.program_id(1)
     off_b = pid_bh // heads_kv
     off_hkv = pid_bh % heads_kv
@@ -72,6 +74,9 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     if CAUSAL:  # rows before the first key's diagonal see none of this block
         lo = gl.maximum(n0 - diag, 0) // BLOCK_M * BLOCK_M
     row_tiles = gl.maximum(gl.cdiv(seqlen_q - lo, BLOCK_M), 0)  # per head of the group
+    shift = 0
+    if ORDERED and not CAUSAL:  # programs start their row tiles apart (_turn)
+        shift = (pid_n * _spacing(row_tiles * GROUP, seqlen_k, BLOCK_N)) % gl.maximum(row_tiles * GROUP, 1)
 
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
@@ -95,8 +100,12 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # With FUSED_DQ: each warpgroup's dQ columns of a row tile (float32, the dQ descriptor's box), staged for its TMA
     # reduce; without, a few rows that go unused.
+    # ORDERED: two such buffers per warpgroup (the writer warp holds one tile's while the next is staged), and
+    # "dq_full" counts both warpgroups' halves staged, "dq_empty" the writer's release.
     staged_rows: gl.constexpr = BLOCK_M if FUSED_DQ else 8
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2, staged_rows, HEAD_DIM // 2], DQ.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [4 if ORDERED else 2, staged_rows, HEAD_DIM // 2], DQ.layout)
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2)  # the copies' expect-tx arrival, then the row statistics' one
@@ -104,6 +113,8 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     for i in gl.static_range(2):
         mbarrier.init(ds_ready.index(i), count=2)
         mbarrier.init(ds_free.index(i), count=2)
+        mbarrier.init(dq_full.index(i), count=2)
+        mbarrier.init(dq_empty.index(i), count=1)
     fence_async_shared()
 
     # Partition arguments must be IR values: an int argument equal to 1 arrives as a constexpr (lse's batch stride is
@@ -119,13 +130,13 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     stride_dvs = gl.to_tensor(stride_dvs)
     stride_dvh = gl.to_tensor(stride_dvh)
     smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty)
-    where = (off_b, off_hkv, n0, lo, row_tiles, seqlen_q)
+    where = (off_b, off_hkv, n0, lo, row_tiles, gl.to_tensor(shift), seqlen_q)
     dq_rows = gl.to_tensor(dq_rows)
-    consumer = smem + (ds_smem, ds_ready, ds_free, dq_smem) + where + (
+    consumer = smem + (ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty) + where + (
         DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, dq_rows,
         seqlen_k, qk_scale, sm_scale)
     loads = (q_desc, k_desc, v_desc, do_desc) + smem + where + (
-        LSE, DELTA, stride_lb, stride_lh, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ))
+        LSE, DELTA, stride_lb, stride_lh, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED))
     if HEAD_DIM > 128:  # both warpgroups on the same keys, each with half of dK's and dV's columns (_consumer_split)
         gl.static_assert(not FUSED_DQ, "fused_dq: d = 64 and 128 only")
         half_rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M // 2], dtype)
@@ -139,6 +150,16 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
             (_consumer_split, split + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
             (_producer, loads),
         ], [4, 1], [240, 24])
+    elif ORDERED:  # a fourth partition, one warp, adds the staged dQ tiles in their fixed order
+        gl.static_assert(FUSED_DQ, "ORDERED orders the fused dQ's adds")
+        writer = (DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, dq_rows, seqlen_k, gl.to_tensor(heads_kv)) + where + (
+            Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED),)
+        gl.warp_specialize([
+            (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED),)),
+            (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED),)),
+            (_producer, loads),
+            (_dq_writer, writer),
+        ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
             (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
@@ -149,9 +170,9 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
-              empty, off_b, off_hkv, n0, lo, row_tiles, seqlen_q, LSE, DELTA, stride_lb, stride_lh, tile):
-    """One warp: this block's K and V once, then for tile ``t`` (head ``t // row_tiles`` of the group, rows
-    ``lo + (t % row_tiles) · BLOCK_M``) Q and dO by TMA and the rows' lse (base 2, +inf where a row saw no key, so
+              empty, off_b, off_hkv, n0, lo, row_tiles, shift, seqlen_q, LSE, DELTA, stride_lb, stride_lh, tile):
+    """One warp: this block's K and V once, then for tile ``t`` (its head of the group and rows: ``_row_tile``)
+    Q and dO by TMA and the rows' lse (base 2, +inf where a row saw no key, so
     P = 0 there and past the last row) and delta into stage ``t % STAGES``, once both consumers have released it."""
     STAGES: gl.constexpr = tile.STAGES
     BLOCK_M: gl.constexpr = tile.BLOCK_M
@@ -161,8 +182,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
     tma.async_copy_global_to_shared(v_desc, [off_b, n0, off_hkv, 0], kv_bar, v_smem)
     for t in range(row_tiles * tile.GROUP):
         stage = t % STAGES
-        head = off_hkv * tile.GROUP + t // row_tiles
-        m = lo + (t % row_tiles) * BLOCK_M
+        g, m = _row_tile(t, lo, row_tiles, shift, tile)
+        head = off_hkv * tile.GROUP + g
         mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes the wait for parity 1
         mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [off_b, m, head, 0], ready.index(stage), q_smem.index(stage))
@@ -177,12 +198,12 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_smem, ds_ready, ds_free,
-              dq_smem,
-              off_b, off_hkv, n0, lo, row_tiles, seqlen_q, DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb,
-              stride_dvs, stride_dvh, dq_rows, seqlen_k, qk_scale, sm_scale, tile):
+              dq_smem, dq_full, dq_empty,
+              off_b, off_hkv, n0, lo, row_tiles, shift, seqlen_q, DK, DV, DQ, stride_dkb, stride_dks, stride_dkh,
+              stride_dvb, stride_dvs, stride_dvh, dq_rows, seqlen_k, qk_scale, sm_scale, tile):
     """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale). With
     FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to the float32
-    accumulator (unscaled) by TMA reduces, one row tile behind."""
+    accumulator (unscaled) by TMA reduces, one row tile behind (ORDERED: staged for the writer warp, _dq_writer)."""
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     STAGES: gl.constexpr = tile.STAGES
@@ -212,7 +233,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
     n_tiles = row_tiles * tile.GROUP
     for t in range(n_tiles):
         stage = t % STAGES
-        m = lo + (t % row_tiles) * BLOCK_M
+        m = _row_tile(t, lo, row_tiles, shift, tile)[1]
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
         q = q_smem.index(stage).reshape([BLOCK_M, D])
         do = do_smem.index(stage).reshape([BLOCK_M, D])
@@ -248,7 +269,11 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
             mbarrier.arrive(ds_free.index(pbuf), count=1, pred=t > 0)
-            _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv, t - 1, lo, row_tiles, dq_rows, t > 0, tile)
+            if tile.ORDERED:
+                _stage_dq(dq, dq_smem, dq_full, dq_empty, t - 1, t > 0, tile)
+            else:
+                _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv, t - 1, lo, row_tiles, shift, dq_rows, t > 0,
+                        tile)
         else:
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
@@ -258,8 +283,12 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(ds_free.index(last % 2), count=1, pred=n_tiles > 0)
-        _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv, last, lo, row_tiles, dq_rows, n_tiles > 0, tile)
-        tma.store_wait(0)  # the last reduce has read its staging buffer
+        if tile.ORDERED:
+            _stage_dq(dq, dq_smem, dq_full, dq_empty, last, n_tiles > 0, tile)
+        else:
+            _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv, last, lo, row_tiles, shift, dq_rows, n_tiles > 0,
+                    tile)
+            tma.store_wait(0)  # the last reduce has read its staging buffer
 
     cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
     out_keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
@@ -269,7 +298,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
 
 @gluon.jit
 def _consumer_split(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, p_smem, dst_smem,
-                    pd_ready, pd_free, off_b, off_hkv, n0, lo, row_tiles, seqlen_q, DK, DV, stride_dkb, stride_dks,
+                    pd_ready, pd_free, off_b, off_hkv, n0, lo, row_tiles, shift, seqlen_q, DK, DV, stride_dkb, stride_dks,
                     stride_dkh, stride_dvb, stride_dvs, stride_dvh, seqlen_k, qk_scale, sm_scale, tile):
     """One warpgroup at d = 256: the block's 64 keys, columns ``WG · D/2 ...`` of their dK and dV. Per row tile it
     computes Sᵀ and dPᵀ for rows ``WG · 32 ...`` of the tile (the whole head dim), writes that half of Pᵀ and dSᵀ to
@@ -298,7 +327,7 @@ def _consumer_split(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ba
     v = v_smem.reshape([tile.BLOCK_N, D])
     for t in range(row_tiles * tile.GROUP):
         stage = t % STAGES
-        m = lo + (t % row_tiles) * BLOCK_M
+        m = _row_tile(t, lo, row_tiles, shift, tile)[1]
         mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
         q = q_smem.index(stage).reshape([BLOCK_M, D])
         do = do_smem.index(stage).reshape([BLOCK_M, D])
@@ -348,18 +377,135 @@ def _store_dkdv(dk, dv, DK, DV, off_b, off_hkv, out_keys, cols, seqlen_k, stride
 
 
 @gluon.jit
-def _add_dq(dq, dq_desc, buf, off_b, off_hkv, t, lo, row_tiles, rows_per_batch, valid, tile):
+def _add_dq(dq, dq_desc, buf, off_b, off_hkv, t, lo, row_tiles, shift, rows_per_batch, valid, tile):
     """Add row tile ``t``'s dQ columns of this warpgroup (``dq [BLOCK_M, D/2]``) into the accumulator (float32
     ``[B, rows_per_batch, Hq, D]`` seen as ``[B · rows_per_batch, Hq · D]``; each batch entry's rows padded to whole
     tiles, so a tile never reaches the next entry's rows) by a TMA reduce from staging buffer ``buf``, where
     ``valid``. The reduce runs on under the next row tile; the buffer's next use waits for it to be read."""
-    head = off_hkv * tile.GROUP + t // row_tiles
-    row0 = off_b * rows_per_batch + lo + (t % row_tiles) * tile.BLOCK_M
+    g, m = _row_tile(t, lo, row_tiles, shift, tile)
+    head = off_hkv * tile.GROUP + g
+    row0 = off_b * rows_per_batch + m
     if valid:
         tma.store_wait(0)  # the last reduce from this buffer (a row tile ago) has read it
         buf.store(dq)
         fence_async_shared()
         _tma_reduce_add(dq_desc, [row0, head * tile.HEAD_DIM + tile.WG * (tile.HEAD_DIM // 2)], buf)
+
+
+@gluon.jit
+def _row_tile(t, lo, row_tiles, shift, tile):
+    """The ``t``-th row tile a program takes -> (its head within the GQA group, its first row): heads in turn, each
+    over its row tiles from ``lo``; ORDERED non-causal programs start ``shift`` tiles in and wrap around."""
+    if tile.ORDERED and not tile.CAUSAL:
+        t = (t + shift) % gl.maximum(row_tiles * tile.GROUP, 1)
+    return t // row_tiles, lo + (t % row_tiles) * tile.BLOCK_M
+
+
+@gluon.jit
+def _spacing(n_tiles, seqlen_k, BLOCK_N: gl.constexpr):
+    """ORDERED, non-causal: how many row tiles apart consecutive key blocks start (``n_tiles`` each; 0 where there
+    are more key blocks than row tiles: they then all start at the first)."""
+    return n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
+
+
+@gluon.jit
+def _stage_dq(dq, dq_smem, dq_full, dq_empty, t, valid, tile):
+    """ORDERED: this warpgroup's dQ columns of its ``t``-th row tile into staging buffer ``t % 2`` for the writer
+    warp, once the writer has released that buffer's last tile (two tiles ago), where ``valid``."""
+    t = gl.maximum(t, 0)
+    buf = t % 2
+    mbarrier.wait(dq_empty.index(buf), ((t // 2) & 1) ^ 1, pred=valid)  # a fresh barrier passes parity 1
+    if valid:
+        dq_smem.index(2 * buf + tile.WG).store(dq)
+        fence_async_shared()
+    mbarrier.arrive(dq_full.index(buf), count=1, pred=valid)
+
+
+@gluon.jit
+def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqlen_k, heads_kv, off_b, off_hkv, n0, lo,
+               row_tiles, shift, seqlen_q, tile):
+    """ORDERED, one warp: the program's dQ tiles into the float32 accumulator in a fixed order. Each (batch, head,
+    row tile) has a counter in ``SEM`` (int32, zeroed) of the adds landed; the writer waits until it reaches this
+    program's turn (``_turn``), issues both warpgroups' TMA reduces, and one tile later, once they have landed,
+    raises the counter and releases the staging buffers. So every run adds in the same order: dQ is bitwise
+    reproducible. A program waits only on programs launched before it (``_turn``); as a second guard, a launch has
+    no more key blocks per (batch, kv head) than the device has SMs (``launch_dkdv``), so all of them can be
+    resident at once."""
+    BLOCK_M: gl.constexpr = tile.BLOCK_M
+    HALF_D: gl.constexpr = tile.HEAD_DIM // 2
+    lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    n_tiles = row_tiles * tile.GROUP
+    q_tiles = rows_per_batch // BLOCK_M
+    heads_q = heads_kv * tile.GROUP
+    counter = SEM + lane * 0  # this tile's counter, in every lane (lane 0 releases it)
+    before = counter
+    for t in range(n_tiles):
+        buf = t % 2
+        g, m = _row_tile(t, lo, row_tiles, shift, tile)
+        head = off_hkv * tile.GROUP + g
+        turn = _turn(g * row_tiles + (m - lo) // BLOCK_M, m // BLOCK_M, pid_n, n_tiles, seqlen_q, seqlen_k, tile)
+        mbarrier.wait(dq_full.index(buf), (t // 2) & 1)
+        before = counter
+        counter = SEM + ((off_b * heads_q + head) * q_tiles + m // BLOCK_M) + lane * 0
+        seen = gl.min(_load_acquire(counter), axis=0)
+        while seen < turn:
+            seen = gl.min(_load_acquire(counter), axis=0)
+        row0 = off_b * rows_per_batch + m
+        _tma_reduce_add(DQ, [row0, head * tile.HEAD_DIM], dq_smem.index(2 * buf))
+        _tma_reduce_add(DQ, [row0, head * tile.HEAD_DIM + HALF_D], dq_smem.index(2 * buf + 1))
+        if t > 0:  # the last tile's two reduces have landed: count them, free their buffers
+            _release(before, lane, 2)
+            mbarrier.arrive(dq_empty.index(1 - buf), count=1)
+    if n_tiles > 0:
+        _release(counter, lane, 0)
+        mbarrier.arrive(dq_empty.index((n_tiles - 1) % 2), count=1)
+
+
+@gluon.jit
+def _turn(tile_of, mt, pid_n, n_tiles, seqlen_q, seqlen_k, tile):
+    """How many programs of this (batch, kv head) add into row tile ``mt`` (``tile_of``-th of the program's
+    ``n_tiles``, counted from its first) before this one, key block ``pid_n`` of ``blocks``:
+    - Non-causal, key block j starts ``j · s`` tiles in (s = ``_spacing``, K · s <= n_tiles), so it reaches tile t at
+      step (t - j·s) mod n_tiles; the adds go by step, one every s steps, each long after the one before has landed.
+      The blocks in step order are a = min(t // s, K - 1), a - 1, ..., 0, K - 1, ..., a + 1: j's turn is
+      (a - j) mod K. (With s = 0 every block starts at the first tile, and the adds go by block.)
+    - Causal programs launch from the last key block (the kernel reverses the grid), which sees the fewest rows; a
+      row tile's adds go from the block on its diagonal back to block 0, each block reaching the tile two row tiles
+      later in its own loop than the one before, and launched after it.
+    Every program waits only on programs that take their own turns without waiting on it."""
+    blocks = gl.cdiv(seqlen_k, tile.BLOCK_N)
+    if tile.CAUSAL:
+        # key blocks j > pid_n whose first visible row tile (max(j·BLOCK_N - (Sk - Sq), 0) // BLOCK_M) is <= mt
+        last = (tile.BLOCK_M * (mt + 1) + seqlen_k - seqlen_q + tile.BLOCK_N - 1) // tile.BLOCK_N - 1
+        return gl.minimum(last, blocks - 1) - pid_n
+    s = _spacing(n_tiles, seqlen_k, tile.BLOCK_N)
+    a = gl.minimum(tile_of // gl.maximum(s, 1), blocks - 1)
+    return gl.where(s > 0, (a - pid_n + blocks) % blocks, pid_n)
+
+
+@gluon.jit
+def _load_acquire(ptrs):
+    """An acquiring load of int32 ``ptrs`` (then a proxy fence: the TMA reduces issued after it see what it saw)."""
+    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];\n\tfence.proxy.async.global;", "=r,l",
+                                     [ptrs], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _release(ptrs, lane, PENDING: gl.constexpr):
+    """Wait until at most ``PENDING`` bulk groups are in flight in each lane (the older reduces, issued by whichever
+    lane was elected, have landed), meet at a warp barrier, then lane 0 adds 1 to counter ``ptrs`` with release
+    order."""
+    if PENDING == 0:
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; cp.async.bulk.wait_group 0; bar.warp.sync -1; fence.proxy.async.global; setp.eq.s32 p, $2, 0;\n\t"
+            "@p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }",
+            "=r,l,r", [ptrs, lane], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.static_assert(PENDING == 2, "two reduces per tile")
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; cp.async.bulk.wait_group 2; bar.warp.sync -1; fence.proxy.async.global; setp.eq.s32 p, $2, 0;\n\t"
+            "@p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }",
+            "=r,l,r", [ptrs, lane], dtype=gl.int32, is_pure=False, pack=1)
 
 
 def descriptors(q, k, v, do, tile) -> tuple:
@@ -383,13 +529,15 @@ def _placeholder(rows: int, d: int, device):
     return descriptor(torch.zeros((rows, d), dtype=torch.float32, device=device), (rows, d // 2))
 
 
-def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None):
+def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None,
+                dq_sem=None):
     """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
     and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous). A
     ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Sq rounded up to the row
-    tile, Hq, D]``, contiguous, zeroed by the caller). Returns ``(grid, Relaunch or None)``: with ``keep``, the
+    tile, Hq, D]``, contiguous, zeroed by the caller); a ``dq_ordered`` one adds in a fixed order, counting the adds
+    in ``dq_sem`` (int32 ``[B, Hq, row tiles]``, zeroed). Returns ``(grid, Relaunch or None)``: with ``keep``, the
     launch kept for repeats with new arrays (``descriptors(q, k, v, do, tile), lse, delta, dk, dv,
-    dq_descriptor(dq_acc, ...)``, a placeholder descriptor when not fused)."""
+    dq_descriptor(dq_acc, ...), semaphores(dq_sem, ...)``, placeholders where not fused or not ordered)."""
     if q.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"q: the Hopper dK/dV kernel is built for head dims {HEAD_DIMS}, not {q.shape[-1]}")
     split = q.shape[-1] > 128  # d = 256: both warpgroups on 64 keys, each with half of dK's and dV's columns
@@ -401,6 +549,10 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
         raise ValueError("config: fused_dq runs at d = 64 and 128 only")
     if tile.fused_dq != (dq_acc is not None):
         raise ValueError("dq_acc: a fused_dq tile needs the float32 dQ accumulator, and only it takes one")
+    if tile.dq_ordered and not tile.fused_dq:
+        raise ValueError("config: dq_ordered orders a fused_dq tile's adds")
+    if tile.dq_ordered != (dq_sem is not None):
+        raise ValueError("dq_sem: a dq_ordered tile needs the int32 counters, and only it takes them")
     if delta.stride() != lse.stride():
         raise ValueError(f"delta: the kernel reads it with lse's strides {lse.stride()}, not {delta.stride()}")
     b, sq, hq, d = q.shape
@@ -412,13 +564,40 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
                                or dq_acc.dtype != torch.float32):
         raise ValueError(f"dq_acc: a contiguous float32 [B, Sq rounded up to {tile.block_m}, Hq, D] = "
                          f"{(b, rows_per_batch, hq, d)}, not {dq_acc.dtype} {tuple(dq_acc.shape)}")
+    if dq_sem is not None:
+        if dq_sem.shape != (b, hq, rows_per_batch // tile.block_m) or dq_sem.dtype != torch.int32 \
+                or not dq_sem.is_contiguous():
+            raise ValueError(f"dq_sem: contiguous int32 [B, Hq, row tiles] = {(b, hq, rows_per_batch // tile.block_m)}, "
+                             f"not {dq_sem.dtype} {tuple(dq_sem.shape)}")
+        if grid[0] > ordered_blocks(q.device):  # a (batch, kv head)'s programs wait on each other: all resident
+            raise ValueError(f"config: dq_ordered needs all {grid[0]} key blocks of a (batch, kv head) resident at "
+                             f"once, and this device runs {ordered_blocks(q.device)}")
     dq_arg = dq_descriptor(dq_acc, tile, d, q.device)
     kept = start(
-        keep, attention_bwd_dkdv_sm90_kernel, grid, 9,
-        q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, dq_arg, lse.stride(0), lse.stride(1),
+        keep, attention_bwd_dkdv_sm90_kernel, grid, 10,
+        q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, dq_arg, semaphores(dq_sem, q.device),
+        lse.stride(0), lse.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), rows_per_batch,
         sq, sk, hkv, scale * LOG2E, scale,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
-        GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, num_warps=4,
+        GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, ORDERED=tile.dq_ordered, num_warps=4,
     )
     return grid, kept
+
+
+def semaphores(dq_sem, device):
+    """The kernel's SEM argument: ``dq_sem``, or without it (not ordered) a placeholder the kernel never reads."""
+    return _no_semaphores(device) if dq_sem is None else dq_sem
+
+
+@functools.cache
+def _no_semaphores(device):
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def ordered_blocks(device) -> int:
+    """The most key blocks per (batch, kv head) a ``dq_ordered`` launch takes on ``device``: one resident program
+    per SM (the kernel's shared memory allows no second), and its programs wait on each other."""
+    if device.type != "cuda":  # compile-only runs on CPU tensors (tests)
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count

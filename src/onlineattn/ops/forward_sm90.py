@@ -49,9 +49,10 @@ class Tile:
     CAUSAL: gl.constexpr
     GROUP: gl.constexpr  # query heads per kv head where it is a constant (the dK/dV kernel); the forward's is not: 1
     FUSED_DQ: gl.constexpr  # the dK/dV kernel also reduces dQ (backward_sm90.py); the forward: False
+    ORDERED: gl.constexpr  # with FUSED_DQ: the dQ adds in a fixed order (backward_sm90.py); the forward: False
 
     @gluon.constexpr_function
-    def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False):
+    def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False, ORDERED=False):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -60,6 +61,7 @@ class Tile:
         self.CAUSAL = gl.constexpr(CAUSAL)
         self.GROUP = gl.constexpr(GROUP)
         self.FUSED_DQ = gl.constexpr(FUSED_DQ)
+        self.ORDERED = gl.constexpr(ORDERED)
 
 
 @gluon.jit
