@@ -152,6 +152,10 @@ def test_ordered_tile_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(backward_sm90, "ordered_blocks", lambda device: 2)  # 300 keys: 3 blocks of 128
     with pytest.raises(ValueError, match="config: dq_ordered needs all 3 key blocks"):
         launch(ordered, dq_acc=acc, dq_sem=sem)
+    loose = replace(bwd_config(128, 128, torch.bfloat16, "cuda"),
+                    dkdv=replace(bwd_config(128, 128, torch.bfloat16, "cuda").dkdv, dq_ordered=True))
+    with pytest.raises(ValueError, match="config: dq_ordered orders a fused_dq"):  # a Triton tile: refused too
+        B.backward(do, q, k, v, torch.randn_like(q), lse, 0.1, False, config=loose)
     cfg = replace(bwd_config(128, 128, torch.bfloat16, "cuda"), dkdv=ordered)  # deterministic calls may take it; on
     with pytest.raises(ValueError, match="config: a gluon dK/dV tile runs only"):  # the CPU no gluon tile runs
         B.backward(do, q, k, v, torch.randn_like(q), lse, 0.1, False, config=cfg)
@@ -278,7 +282,7 @@ def test_repeat_relaunches_bitwise(causal, d, fused, ordered, monkeypatch):
 @gpu
 @sm90
 def test_table_fused_dq_follows_the_call(monkeypatch):
-    """Through the table at d = 128 and N = BWD_FUSED_DQ_MIN_KEYS (= BWD_ORDERED_DQ_MIN_KEYS): deterministic=False
+    """Through the table at d = 128 and N = the larger of BWD_FUSED_DQ_MIN_KEYS and BWD_ORDERED_DQ_MIN_KEYS: deterministic=False
     launches the fused kernel with its adds in any order, deterministic=True and torch's deterministic mode the
     fused kernel with its adds ordered (bitwise reproducible); each choice is kept as its own repeatable step, so a
     later call never reuses the other's launches."""
@@ -338,10 +342,14 @@ def test_attention_deterministic_false_takes_the_fused_dq(monkeypatch):
 @gpu
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", [(2, 2048, 2048, 8, 2, 128), (1, 1000, 1000, 4, 2, 64), (2, 700, 1300, 6, 2, 128)],
+@pytest.mark.parametrize("shape", [(2, 2048, 2048, 8, 2, 128), (1, 1000, 1000, 4, 2, 64), (2, 700, 1300, 6, 2, 128),
+                                   (1, 128, 256, 2, 2, 128), (1, 1024, 2048, 2, 2, 128), (1, 64, 1000, 2, 2, 128),
+                                   (1, 1024, 4096, 4, 2, 128), (1, 2100, 2100, 2, 2, 128)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_ordered_dq_is_bitwise_reproducible(shape, causal):
-    """The ordered fused dQ gives the same bits on every run (four here), over GQA groups, odd lengths and Sq != Sk
+    """The ordered fused dQ gives the same bits on every run (four here), and ends (no cycle of waits: row tiles per
+    key block of 1, 2, under 2 and up to 2 included, where non-causal blocks start together), over GQA groups, odd
+    lengths and Sq != Sk
     (causal: several key blocks then see the first row tile, their adds ordered among themselves; non-causal: key
     blocks start a non-power-of-two number of tiles apart), and stays within the summation order of the dQ kernel's
     result; causal dK and dV are that kernel's bitwise (the same sums in the same order, the programs launched in

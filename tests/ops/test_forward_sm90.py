@@ -79,6 +79,10 @@ def test_out_must_be_tma_aligned_for_the_gluon_tile(monkeypatch):
     assert not F._tma_ok(odd) and F._tma_ok(torch.empty_like(q))
     key = lambda o: F._step_key(q, k, v, o, lse, 0.1, False, None)  # noqa: E731
     assert key(odd) != key(torch.empty_like(q))
+    gluon = []
+    monkeypatch.setattr(F.forward_sm90, "launch", lambda *a, **kw: gluon.append(1))
+    o, _ = F.forward(q, k, v, 0.1, False, out=odd, lse_out=lse)  # the table: the Triton kernel (interpreted here)
+    assert o is odd and not gluon and torch.isfinite(o).all()
 
 
 _COMPILE = """

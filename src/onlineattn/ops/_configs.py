@@ -187,7 +187,7 @@ class BwdTile:
     #                      two 4-warp warpgroups at d = 64/128 (at d = 256: 64 keys shared by both, each with half
     #                      of dK's and dV's columns), block_m = 64-row tiles of one head, num_stages Q/dO stages
     fused_dq: bool = False  # gluon only: that kernel also adds dQ (TMA reduce-adds into float32, in no fixed order:
-    #                         not deterministic), and no dQ kernel runs
+    #                         not deterministic, unless dq_ordered), and no dQ kernel runs
     dq_ordered: bool = False  # fused_dq only: the adds go in a fixed order (per-tile counters, a writer warp), so dQ
     #                           is deterministic; needs every key block of a (batch, kv head) resident at once
 

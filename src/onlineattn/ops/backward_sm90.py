@@ -21,7 +21,9 @@ TMA-able strides, ``backward.py`` routes a launch here when ``bwd_config`` picks
 With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
 issues dQ = dS K for half of dQ's columns over all 128 keys behind that tile's dV and dK, and adds the result into
 a float32 accumulator by a TMA reduce-add (``cp.reduce.async.bulk.tensor``). The programs' adds land in no fixed
-order, so the table takes it only for calls that allow that (``deterministic=False``).
+order, so the table takes that only for calls that allow it (``deterministic=False``). With ``dq_ordered`` the
+warpgroups stage their dQ tiles for a writer warp that adds them in a fixed order (``_dq_writer``, ``_turn``), and
+deterministic calls take it where it measured faster than the dQ kernel.
 """
 
 import functools
@@ -403,9 +405,11 @@ def _row_tile(t, lo, row_tiles, shift, tile):
 
 @gluon.jit
 def _spacing(n_tiles, seqlen_k, BLOCK_N: gl.constexpr):
-    """ORDERED, non-causal: how many row tiles apart consecutive key blocks start (``n_tiles`` each; 0 where there
-    are more key blocks than row tiles: they then all start at the first)."""
-    return n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
+    """ORDERED, non-causal: how many row tiles apart consecutive key blocks start (``n_tiles`` each), at least 2; 0
+    where that does not fit (fewer than two row tiles per key block): they then all start at the first. A spacing
+    of 1 would close a cycle of waits (``_turn``)."""
+    s = n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
+    return gl.where(s >= 2, s, 0)
 
 
 @gluon.jit
@@ -428,9 +432,10 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqle
     row tile) has a counter in ``SEM`` (int32, zeroed) of the adds landed; the writer waits until it reaches this
     program's turn (``_turn``), issues both warpgroups' TMA reduces, and one tile later, once they have landed,
     raises the counter and releases the staging buffers. So every run adds in the same order: dQ is bitwise
-    reproducible. A program waits only on programs launched before it (``_turn``); as a second guard, a launch has
-    no more key blocks per (batch, kv head) than the device has SMs (``launch_dkdv``), so all of them can be
-    resident at once."""
+    reproducible. A tile's counter is raised only after the writer has waited for its next tile's turn, so every chain
+    of waits must end (``_turn`` says why it does). Non-causal key blocks wait on blocks launched after them, so all
+    of a (batch, kv head)'s blocks must be resident at once: ``launch_dkdv`` takes no more of them than the device
+    has SMs (``ordered_blocks``). Causal ones wait only on blocks launched before them."""
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     HALF_D: gl.constexpr = tile.HEAD_DIM // 2
     lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
@@ -463,16 +468,21 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqle
 
 @gluon.jit
 def _turn(tile_of, mt, pid_n, n_tiles, seqlen_q, seqlen_k, tile):
-    """How many programs of this (batch, kv head) add into row tile ``mt`` (``tile_of``-th of the program's
-    ``n_tiles``, counted from its first) before this one, key block ``pid_n`` of ``blocks``:
-    - Non-causal, key block j starts ``j · s`` tiles in (s = ``_spacing``, K · s <= n_tiles), so it reaches tile t at
-      step (t - j·s) mod n_tiles; the adds go by step, one every s steps, each long after the one before has landed.
-      The blocks in step order are a = min(t // s, K - 1), a - 1, ..., 0, K - 1, ..., a + 1: j's turn is
-      (a - j) mod K. (With s = 0 every block starts at the first tile, and the adds go by block.)
-    - Causal programs launch from the last key block (the kernel reverses the grid), which sees the fewest rows; a
-      row tile's adds go from the block on its diagonal back to block 0, each block reaching the tile two row tiles
-      later in its own loop than the one before, and launched after it.
-    Every program waits only on programs that take their own turns without waiting on it."""
+    """How many programs of this (batch, kv head) add into row tile ``mt`` before this one, key block ``pid_n`` of
+    K = ``blocks``; ``tile_of`` is the tile's index among a program's ``n_tiles`` (head of the group, then row tile),
+    before any rotation. A writer raises a tile's counter only after waiting for its next tile's turn, so the step
+    at which a program adds must run ahead of the steps it waits on:
+    - Non-causal, key block j starts ``j · s`` tiles in (s = ``_spacing`` >= 2, K · s <= n_tiles), so it reaches tile
+      t at step (t - j·s) mod n_tiles, and the adds go by step: a = min(t // s, K - 1), a - 1, ..., 0, K - 1, ...,
+      a + 1, so j's turn is (a - j) mod K. Each waits on an add made at least s >= 2 steps earlier, whose writer
+      waited at most one step later than that: the chains of waits go to earlier steps and end. With s = 0 every
+      block starts at the first tile and the adds go by block, each waiting on the block before at the same step:
+      the chain ends at block 0.
+    - Causal programs launch from the last key block (the kernel reverses the grid), which sees the fewest rows. A
+      row tile's adds go from the block on its diagonal back to block 0: each block reaches the tile no earlier in
+      its own loop than the block after it (later by its group's row tiles, or at the same step where several blocks
+      start at row 0 when Sk > Sq), and waits only on blocks after it, launched before it. The chain ends at the
+      last block that sees the tile."""
     blocks = gl.cdiv(seqlen_k, tile.BLOCK_N)
     if tile.CAUSAL:
         # key blocks j > pid_n whose first visible row tile (max(j·BLOCK_N - (Sk - Sq), 0) // BLOCK_M) is <= mt
@@ -597,7 +607,8 @@ def _no_semaphores(device):
 
 def ordered_blocks(device) -> int:
     """The most key blocks per (batch, kv head) a ``dq_ordered`` launch takes on ``device``: one resident program
-    per SM (the kernel's shared memory allows no second), and its programs wait on each other."""
+    per SM (the kernel's shared memory allows no second), and non-causal programs wait on each other, so all must be
+    resident at once. (A device shared under MPS with an SM limit gives a program fewer SMs than this count.)"""
     if device.type != "cuda":  # compile-only runs on CPU tensors (tests)
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count

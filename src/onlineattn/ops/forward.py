@@ -327,7 +327,7 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
         if config is not None and not (tma_ok and ws_ok(q, k, v, scale, mods) and _tma_ok(o)):
             raise ValueError("config: a gluon tile runs only plain half-precision calls on sm_90 with equal head dims, "
                              "a positive scale and TMA-aligned q, k, v and out")
-        check_int32_offsets(o=o, lse=lse)  # the kernel's offsets within a batch entry are int32 (Q, K, V go by TMA)
+        check_int32_offsets(lse=lse)  # the kernel's offsets within a batch entry are int32 (Q, K, V and O go by TMA)
         keep = mods is PLAIN and launch_cache.enabled  # kept: a repeat skips the routing above (_repeat)
         grid, kept = forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg, keep=keep)  # 1-D grid: no batch slices
         if keep:
