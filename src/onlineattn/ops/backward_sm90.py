@@ -39,7 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from ._common import LOG2E
 from ._launch import cdiv, start
-from .forward_sm90 import Tile, descriptor
+from .forward_sm90 import Tile, _sm_count, descriptor
 
 HEAD_DIMS = (64, 128, 256)  # what this kernel is built and tested for (d = 256 splits the head dim: _consumer_split)
 
@@ -505,17 +505,13 @@ def _release(ptrs, lane, PENDING: gl.constexpr):
     """Wait until at most ``PENDING`` bulk groups are in flight in each lane (the older reduces, issued by whichever
     lane was elected, have landed), meet at a warp barrier, then lane 0 adds 1 to counter ``ptrs`` with release
     order."""
-    if PENDING == 0:
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; cp.async.bulk.wait_group 0; bar.warp.sync -1; fence.proxy.async.global; setp.eq.s32 p, $2, 0;\n\t"
-            "@p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }",
-            "=r,l,r", [ptrs, lane], dtype=gl.int32, is_pure=False, pack=1)
-    else:
-        gl.static_assert(PENDING == 2, "two reduces per tile")
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; cp.async.bulk.wait_group 2; bar.warp.sync -1; fence.proxy.async.global; setp.eq.s32 p, $2, 0;\n\t"
-            "@p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }",
-            "=r,l,r", [ptrs, lane], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(_release_asm(PENDING), "=r,l,r", [ptrs, lane], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.constexpr_function
+def _release_asm(pending):
+    return ("{ .reg .pred p; cp.async.bulk.wait_group " + str(pending) + "; bar.warp.sync -1; fence.proxy.async.global; "
+            "setp.eq.s32 p, $2, 0;\n\t@p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }")
 
 
 def descriptors(q, k, v, do, tile) -> tuple:
@@ -609,6 +605,4 @@ def ordered_blocks(device) -> int:
     """The most key blocks per (batch, kv head) a ``dq_ordered`` launch takes on ``device``: one resident program
     per SM (the kernel's shared memory allows no second), and non-causal programs wait on each other, so all must be
     resident at once. (A device shared under MPS with an SM limit gives a program fewer SMs than this count.)"""
-    if device.type != "cuda":  # compile-only runs on CPU tensors (tests)
-        return 132
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return _sm_count(device)  # (132 for the compile-only runs on CPU tensors)
