@@ -128,6 +128,9 @@ def test_gluon_tile_is_refused_where_it_cannot_run():
     delta = torch.randn(1, 8, 2).transpose(1, 2)  # lse's shape, other strides: the kernel reads both with lse's
     with pytest.raises(ValueError, match="delta"):
         backward_sm90.launch_dkdv(q, k, v, do, lse, delta, k, v, 0.1, False, _BWD_WS_DKDV[128])
+    odd = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)  # dK and dV leave by TMA: aligned only
+    with pytest.raises(ValueError, match="dv: the kernel stores it by TMA"):
+        backward_sm90.launch_dkdv(q, k, v, do, lse, lse, k.clone(), odd, 0.1, False, _BWD_WS_DKDV[128])
 
 
 def test_ordered_tile_is_refused_where_it_cannot_run(monkeypatch):
@@ -368,6 +371,29 @@ def test_ordered_dq_is_bitwise_reproducible(shape, causal):
     for i, (a, b) in enumerate(zip(runs[0], kernel)):
         if causal and i > 0:
             assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=2**-6, atol=2**-10)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d", [128, 256])
+def test_misaligned_dk_dv_take_the_triton_tile(d, monkeypatch):
+    """dK and dV leave the Gluon kernel by TMA stores, so out buffers off 16-byte alignment send the call to the Triton
+    dK/dV tile (no Gluon launch), and the gradients agree with those of aligned buffers to the summation order."""
+    from onlineattn.ops import backward_sm90
+
+    monkeypatch.setattr(B, "_STEPS", {})
+    g = torch.Generator().manual_seed(d)
+    q, k, v, do = (torch.randn(1, 1024, 2, d, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
+    o, lse = F.forward(q, k, v, d**-0.5, False)
+    aligned = B.backward(do, q, k, v, o, lse, d**-0.5, False)
+    launches = []
+    start = backward_sm90.start
+    monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: launches.append(1) or start(*a, **kw))
+    odd = [torch.empty(x.numel() + 8, dtype=x.dtype, device="cuda")[1:1 + x.numel()].view(x.shape) for x in (k, v)]
+    got = B.backward(do, q, k, v, o, lse, d**-0.5, False, out=(torch.empty_like(q), *odd))
+    assert not launches and got[1] is odd[0] and got[2] is odd[1]
+    for a, b in zip(got, aligned):
         torch.testing.assert_close(a, b, rtol=2**-6, atol=2**-10)
 
 

@@ -446,7 +446,7 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
         delta = (do.float() * o.float()).sum(-1).transpose(1, 2) - (0 if dlse is None else dlse)
     else:
         delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-        hopper = ws_ok(do, q, k, v, mods)
+        hopper = ws_ok(do, q, k, v, mods) and _tma_ok(dk, dv)  # dK and dV leave by TMA stores
         cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, causal=causal,
                                    ws_ok=hopper and not mods.varlen, seqlen_q=sq, seqlen_k=k.shape[1],
                                    deterministic=exact,
@@ -460,7 +460,8 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
                              "deterministic=False and torch's deterministic algorithms off")
         if cfg.dkdv.gluon and not hopper:
             raise ValueError("config: a gluon dK/dV tile runs only plain half-precision calls on sm_90 with equal "
-                             "head dims of 64, 128 or 256 (backward_sm90.HEAD_DIMS) and TMA-aligned q, k, v and do")
+                             "head dims of 64, 128 or 256 (backward_sm90.HEAD_DIMS) and TMA-aligned q, k, v, do and "
+                             "the dk, dv outputs")
         if cfg.dq.split_scores:  # measured slower at every tile tried (NOTES v8), so the dQ kernel has no branch
             raise ValueError("config: split_scores applies to the dK/dV tile only, not to config.dq")
         group = hq // hkv
@@ -632,7 +633,8 @@ def _step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing):
             do.stride(), lse.shape, lse.stride(), dq.shape, dq.stride(), dk.shape, dk.stride(), dv.shape, dv.stride(),
             q.dtype, k.dtype, v.dtype, o.dtype, do.dtype, lse.dtype, dq.dtype, dk.dtype, dv.dtype, q.device,
             None if dlse is None else (dlse.shape, dlse.stride(), dlse.dtype), scale, type(scale), causal,
-            type(causal), routing, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, do.data_ptr() % 16)
+            type(causal), routing, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, do.data_ptr() % 16,
+            dk.data_ptr() % 16, dv.data_ptr() % 16)
 
 
 def _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing, step: _Step) -> None:
@@ -664,7 +666,7 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
     arrays_pre = (o, do, lse if dlse is None else dlse, delta)
     dq_acc, dq_sem = _dq_accumulator(dq, step.cfg.dkdv) if fused else (None, None)
     if step.cfg.dkdv.gluon:
-        descriptors = backward_sm90.descriptors(q, k, v, do, step.cfg.dkdv)
+        descriptors = backward_sm90.descriptors(q, k, v, do, dk, dv, step.cfg.dkdv)
         dq_arg = backward_sm90.dq_descriptor(dq_acc, step.cfg.dkdv, q.shape[-1], q.device)
         arrays_dkdv = (*descriptors, lse, delta, dk, dv, dq_arg, backward_sm90.semaphores(dq_sem, q.device))
     else:

@@ -57,7 +57,7 @@ def _tma_reduce_add(desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, DK, DV, DQ, SEM,
+def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE, DELTA, DK, DV, DQ, SEM,
                                    stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
                                    stride_dvb, stride_dvs, stride_dvh, dq_rows,
                                    seqlen_q, seqlen_k, heads_kv, qk_scale,
@@ -91,6 +91,7 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], plain)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], plain)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both warpgroups past every tile
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # With FUSED_DQ: both warpgroups' dSᵀ of a row tile ([128 keys, 64 rows], two buffers), for dQ = dS K over all 128
@@ -109,6 +110,7 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(done, count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2)  # the copies' expect-tx arrival, then the row statistics' one
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
@@ -134,8 +136,8 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, LSE, DELTA, 
     smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty)
     where = (off_b, off_hkv, n0, lo, row_tiles, gl.to_tensor(shift), seqlen_q)
     dq_rows = gl.to_tensor(dq_rows)
-    consumer = smem + (ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty) + where + (
-        DK, DV, DQ, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, dq_rows,
+    consumer = smem + (ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done) + where + (
+        dk_desc, dv_desc, DQ, dq_rows,
         seqlen_k, qk_scale, sm_scale)
     loads = (q_desc, k_desc, v_desc, do_desc) + smem + where + (
         LSE, DELTA, stride_lb, stride_lh, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED))
@@ -200,10 +202,11 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_smem, ds_ready, ds_free,
-              dq_smem, dq_full, dq_empty,
-              off_b, off_hkv, n0, lo, row_tiles, shift, seqlen_q, DK, DV, DQ, stride_dkb, stride_dks, stride_dkh,
-              stride_dvb, stride_dvs, stride_dvh, dq_rows, seqlen_k, qk_scale, sm_scale, tile):
-    """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale). With
+              dq_smem, dq_full, dq_empty, done,
+              off_b, off_hkv, n0, lo, row_tiles, shift, seqlen_q, dk_desc, dv_desc, DQ, dq_rows, seqlen_k, qk_scale,
+              sm_scale, tile):
+    """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored by TMA (dK times the scale;
+    ``_store_dkdv_tma``). With
     FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to the float32
     accumulator (unscaled) by TMA reduces, one row tile behind (ORDERED: staged for the writer warp, _dq_writer)."""
     D: gl.constexpr = tile.HEAD_DIM
@@ -292,10 +295,11 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
                     tile)
             tma.store_wait(0)  # the last reduce has read its staging buffer
 
-    cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
-    out_keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
-    _store_dkdv(dk, dv, DK, DV, off_b, off_hkv, out_keys, cols, seqlen_k, stride_dkb, stride_dks, stride_dkh,
-                stride_dvb, stride_dvs, stride_dvh, sm_scale)
+    # Every Q/dO stage is free once both warpgroups are past their last tile (the producer loads no more).
+    mbarrier.arrive(done, count=1)
+    mbarrier.wait(done, 0)
+    _store_dkdv_tma(dk * sm_scale, dv, dk_desc, dv_desc, q_smem.index(tile.WG), do_smem.index(tile.WG), off_b, off_hkv,
+                    key0)
 
 
 @gluon.jit
@@ -376,6 +380,20 @@ def _store_dkdv(dk, dv, DK, DV, off_b, off_hkv, out_keys, cols, seqlen_k, stride
     p_dv = DV + off_b.to(gl.int64) * stride_dvb + off_hkv * stride_dvh + out_keys.to(gl.int64)[:, None] * stride_dvs
     gl.store(p_dk + cols[None, :], (dk * sm_scale).to(DK.dtype.element_ty), mask=keep)
     gl.store(p_dv + cols[None, :], dv.to(DV.dtype.element_ty), mask=keep)
+
+
+@gluon.jit
+def _store_dkdv_tma(dk, dv, dk_desc, dv_desc, k_buf, v_buf, off_b, off_hkv, key0):
+    """A warpgroup's 64 rows of dK (already scaled) and dV by TMA stores from two free Q/dO stages (a stage's box
+    is a [64, D] tile of one head, dK's and dV's shape, type and layout); the copy engine drops keys past the end.
+    (``gl.store`` from the wgmma layout cost the forward 10-25 % at short lengths, NOTES v13.)"""
+    D: gl.constexpr = dk.shape[1]
+    k_buf.reshape([64, D]).store(dk.to(dk_desc.dtype))
+    v_buf.reshape([64, D]).store(dv.to(dv_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hkv, 0], k_buf)
+    tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hkv, 0], v_buf)
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -514,11 +532,14 @@ def _release_asm(pending):
             "setp.eq.s32 p, $2, 0;\n\t@p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }")
 
 
-def descriptors(q, k, v, do, tile) -> tuple:
-    """Q's, K's, V's and dO's descriptors for ``tile``: a row tile of one head, a key block of one kv head."""
+def descriptors(q, k, v, do, dk, dv, tile) -> tuple:
+    """Q's, K's, V's, dO's, dK's and dV's descriptors for ``tile``: a row tile of one head, a key block of one kv
+    head, and for dK and dV a warpgroup's 64 keys (the Q/dO stages' box, which stage them; d = 256 stores them from
+    registers and leaves these unused)."""
     d = q.shape[-1]
     rows_block, keys_block = (1, tile.block_m, 1, d), (1, tile.block_n, 1, d)
-    return descriptor(q, rows_block), descriptor(k, keys_block), descriptor(v, keys_block), descriptor(do, rows_block)
+    return (descriptor(q, rows_block), descriptor(k, keys_block), descriptor(v, keys_block), descriptor(do, rows_block),
+            descriptor(dk, rows_block), descriptor(dv, rows_block))
 
 
 def dq_descriptor(dq_acc, tile, d: int, device):
@@ -542,7 +563,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Sq rounded up to the row
     tile, Hq, D]``, contiguous, zeroed by the caller); a ``dq_ordered`` one adds in a fixed order, counting the adds
     in ``dq_sem`` (int32 ``[B, Hq, row tiles]``, zeroed). Returns ``(grid, Relaunch or None)``: with ``keep``, the
-    launch kept for repeats with new arrays (``descriptors(q, k, v, do, tile), lse, delta, dk, dv,
+    launch kept for repeats with new arrays (``descriptors(q, k, v, do, dk, dv, tile), lse, delta, dk, dv,
     dq_descriptor(dq_acc, ...), semaphores(dq_sem, ...)``, placeholders where not fused or not ordered)."""
     if q.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"q: the Hopper dK/dV kernel is built for head dims {HEAD_DIMS}, not {q.shape[-1]}")
@@ -561,10 +582,13 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
         raise ValueError("dq_sem: a dq_ordered tile needs the int32 counters, and only it takes them")
     if delta.stride() != lse.stride():
         raise ValueError(f"delta: the kernel reads it with lse's strides {lse.stride()}, not {delta.stride()}")
+    for name, x in (("dk", dk), ("dv", dv)):  # stored by TMA: a 16-byte aligned base and outer strides
+        if x.data_ptr() % 16 or any(s * x.element_size() % 16 for s in x.stride()[:-1]):
+            raise ValueError(f"{name}: the kernel stores it by TMA, which needs a 16-byte aligned base and strides")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     grid = (cdiv(sk, tile.block_n), b * hkv)
-    q_desc, k_desc, v_desc, do_desc = descriptors(q, k, v, do, tile)
+    q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descriptors(q, k, v, do, dk, dv, tile)
     rows_per_batch = cdiv(sq, tile.block_m) * tile.block_m
     if dq_acc is not None and (dq_acc.shape != (b, rows_per_batch, hq, d) or not dq_acc.is_contiguous()
                                or dq_acc.dtype != torch.float32):
@@ -580,8 +604,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
                              f"once, and this device runs {ordered_blocks(q.device)}")
     dq_arg = dq_descriptor(dq_acc, tile, d, q.device)
     kept = start(
-        keep, attention_bwd_dkdv_sm90_kernel, grid, 10,
-        q_desc, k_desc, v_desc, do_desc, lse, delta, dk, dv, dq_arg, semaphores(dq_sem, q.device),
+        keep, attention_bwd_dkdv_sm90_kernel, grid, 12,
+        q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse, delta, dk, dv, dq_arg, semaphores(dq_sem, q.device),
         lse.stride(0), lse.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), rows_per_batch,
         sq, sk, hkv, scale * LOG2E, scale,
