@@ -20,6 +20,7 @@ class FwdConfig:
     gluon: bool = False  # the warp-specialized Hopper kernel (forward_sm90.py): block_m = 128 rows over two
     #                      warpgroups of num_warps = 4, num_stages K/V stages filled by a producer warp
     persistent: bool = False  # gluon only: one program per SM looping over the tiles
+    q_stages: int = 1  # gluon only: Q buffers (2: the next tile's Q loads while this tile's blocks run)
 
 
 # Interpreter runs (CPU tensors, TRITON_INTERPRET=1): bigger tiles mean fewer Python-level programs; stages and warps
@@ -131,8 +132,12 @@ _FWD_WS = {False: {64: replace(_WS_TILE, persistent=True), 128: replace(_WS_TILE
 #     584-591 / 651-652: persistent below 4096, as before.
 #   Non-causal, persistent led or tied per tile at every length and head dim (d = 128: 500-510 / 556-559 / 592-593 /
 #   603-605 / 612-614 / 612-613, cuDNN 490-508 / 553-562 / 585-594 / 599-605 / 606-609 / 611-618).
+# - Tiles hand over and the program count balances the laps (session 22, NOTES v14, .devrun/fsweep.py, medians of
+#   two passes, persistent against one program per tile, causal, N = 4096 / 8192 / 16384): d = 128 - / 579-592 /
+#   601-607 against - / 552-561 / 601-602; d = 256 585-596 / 624-627 / 636-650 against 543-550 / 577-585 /
+#   648; d = 64 at 16384 441-445 against 436-447. So d = 128 and 256 run causal persistent below 16384 too.
 WS_MIN_KEYS = {64: (512, 1024), 128: (512, 512), 256: (512, 512)}
-WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 8192, 256: 4096}
+WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 16384, 256: 16384}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 where the
 #                                              Gluon kernel cannot run (above)
 

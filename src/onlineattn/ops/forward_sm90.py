@@ -9,15 +9,20 @@ QKᵀ_j only and runs block j's softmax while the tensor cores still add the pre
 wgmma's A operand). The two warpgroups also overlap each other's softmax with their matmuls. Each consumer
 writes its rows of O through a shared-memory staging buffer by TMA stores that run on under its next tile.
 
-Plain attention only: float16/bfloat16, equal head dims for K and V (64, 128 or 256), a positive scale, no score variants,
-strides a TMA descriptor accepts. ``forward.py`` routes a launch here when ``fwd_config`` picks a ``gluon`` tile
-(``ops/_configs.py`` says where it was measured faster); everything else runs the Triton kernel. Gluon has no
-interpreter, so CI compiles this kernel for sm_90 (tests/ops/test_forward_sm90.py) and the GPU suite runs it.
+A program's tiles hand over: the next tile's first QKᵀ is issued right after this tile's last P·V and runs under
+this tile's epilogue. Q has ``q_stages`` buffers (a second lets the producer load the next tile's Q early).
+
+Plain attention only: float16/bfloat16, equal head dims for K and V (64, 128 or 256), a positive scale, no score
+variants, strides a TMA descriptor accepts. ``forward.py`` routes a launch here when ``fwd_config`` picks a
+``gluon`` tile (``ops/_configs.py`` says where it was measured faster); everything else runs the Triton kernel.
+Gluon has no interpreter, so CI compiles this kernel for sm_90 (tests/ops/test_forward_sm90.py) and the GPU suite
+runs it.
 """
 
 # No ``from __future__ import annotations``: the aggregate below reads its field annotations as types.
 import functools
 
+import numpy as np
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -50,9 +55,11 @@ class Tile:
     GROUP: gl.constexpr  # query heads per kv head where it is a constant (the dK/dV kernel); the forward's is not: 1
     FUSED_DQ: gl.constexpr  # the dK/dV kernel also reduces dQ (backward_sm90.py); the forward: False
     ORDERED: gl.constexpr  # with FUSED_DQ: the dQ adds in a fixed order (backward_sm90.py); the forward: False
+    Q_STAGES: gl.constexpr  # the forward's Q buffers (two: the next tile's Q lands while this tile runs)
 
     @gluon.constexpr_function
-    def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False, ORDERED=False):
+    def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False, ORDERED=False,
+                 Q_STAGES=1):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -62,27 +69,29 @@ class Tile:
         self.GROUP = gl.constexpr(GROUP)
         self.FUSED_DQ = gl.constexpr(FUSED_DQ)
         self.ORDERED = gl.constexpr(ORDERED)
+        self.Q_STAGES = gl.constexpr(Q_STAGES)
 
 
 @gluon.jit
 def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
                               seqlen_q, seqlen_k, heads_q, group, qk_scale, num_tiles,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                              STAGES: gl.constexpr, CAUSAL: gl.constexpr):
+                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_STAGES: gl.constexpr):
     """Programs take tiles ``pid, pid + programs, ...`` of ``num_tiles`` (one each when the grid covers them all)."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, q_desc.block_type.shape, q_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)  # a consumer's O rows
-    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_ready, count=1)
-    mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(Q_STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -103,22 +112,23 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
     shape = (seqlen_q, seqlen_k, heads_q, num_tiles)
     consumer = smem + shape + (o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale)
     gl.warp_specialize([
-        (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL),)),
-        (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL),)),
-        (_producer, (q_desc, k_desc, v_desc) + smem + shape + (group,
-                                                               Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL))),
+        (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES),)),
+        (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES),)),
+        (_producer, (q_desc, k_desc, v_desc) + smem + shape + (
+            group, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES))),
     ], [4, 1], [240, 24])
 
 
 @gluon.jit
 def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile):
-    """Tile ``t`` -> (batch, q head, first row, key blocks). A head's row tiles are adjacent (they share K and V in L2:
-    interleaving the heads instead cost 2-5 % causal at N >= 4096, session 19); under causal they come bottom first (the
-    most key blocks), so within a head the tiles handed out last are the short ones. A program takes ``t = pid, pid + programs,
-    ...`` (laps of ``programs`` tiles); every odd full lap is taken in reverse (a snake), so under causal a program
-    that took a longer tile of one lap takes a shorter one of the next (even so, persistent causal launches measured
-    slower than one program per tile at long lengths, and the table runs them persistent only below
-    WS_CAUSAL_PERSISTENT_BELOW; a length-major order balanced the laps but lost more to L2, NOTES v12)."""
+    """Tile ``t`` -> (batch, q head, first row, key blocks). A head's row tiles are adjacent (they share K and V in
+    L2: interleaving the heads instead cost 2-5 % causal at N >= 4096, session 19); under causal they come bottom
+    first (the most key blocks), so within a head the tiles handed out last are the short ones. A program takes
+    ``t = pid, pid + programs, ...`` (laps of ``programs`` tiles); every odd full lap is taken in reverse (a snake),
+    so under causal a program that took a longer tile of one lap takes a shorter one of the next, and ``programs``
+    picks the count whose laps balance best (a length-major order balanced them too but lost more to L2, NOTES v12).
+    A tile whose rows all sit above the causal diagonal (Sq > Sk) still takes key block 0, fully masked: its rows
+    get o = 0 and lse = -inf like any row that sees no key."""
     programs = gl.num_programs(0)
     lap = t // programs
     mirror = (lap % 2 == 1) & ((lap + 1) * programs <= num_tiles)
@@ -132,26 +142,27 @@ def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile):
     hi = seqlen_k
     if tile.CAUSAL:  # bottom-right diagonal: row i sees keys j <= i + Sk - Sq
         hi = gl.minimum(seqlen_k, m0 + tile.BLOCK_M + seqlen_k - seqlen_q)
-    n_blocks = gl.maximum(gl.cdiv(hi, tile.BLOCK_N), 0)  # 0 when every row of the tile sits above the diagonal
+    n_blocks = gl.maximum(gl.cdiv(hi, tile.BLOCK_N), 1)
     return pid_bh // heads_q, pid_bh % heads_q, m0, n_blocks
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               seqlen_q, seqlen_k, heads_q, num_tiles, group, tile):
-    """One warp: per tile, Q once both consumers have released the last one, then K_j and V_j into the ring's next
-    stages (``it`` counts blocks across tiles) once both consumers have released them."""
+    """One warp: per tile, Q into the next of ``Q_STAGES`` buffers once both consumers have released its last tile,
+    then K_j and V_j into the ring's next stages (``it`` counts blocks across tiles) once both consumers have
+    released them."""
     BLOCK_N: gl.constexpr = tile.BLOCK_N
     STAGES: gl.constexpr = tile.STAGES
     it = 0
-    q_phase = 0
+    n = 0  # tiles so far: Q buffer n % Q_STAGES
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_b, off_h, m0, n_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile)
-        if n_blocks > 0:  # with no key block the consumers wait on nothing: no copy may be left in flight
-            mbarrier.wait(q_empty, q_phase ^ 1)  # a fresh barrier passes the wait for parity 1
-            mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], q_ready, q_smem)
-            q_phase ^= 1
+        slot = n % tile.Q_STAGES
+        mbarrier.wait(q_empty.index(slot), ((n // tile.Q_STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], q_ready.index(slot), q_smem.index(slot))
+        n += 1
         off_hkv = off_h // group
         for j in range(n_blocks):
             stage = it % STAGES
@@ -170,36 +181,182 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               seqlen_q, seqlen_k, heads_q, num_tiles, o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale, tile):
-    """One warpgroup: per tile, its 64 rows' online softmax over every key block, then their output (by TMA,
-    ``_store_o``) and log-sum-exp."""
+    """One warpgroup: per tile, its 64 rows' online softmax over every key block (``_blocks``), then their output
+    (by TMA, ``_store_o``) and log-sum-exp. Tiles hand over (``_handover``): the next tile's first QKᵀ is issued
+    right after this tile's last P·V and runs under this tile's epilogue, so the tensor cores do not drain between
+    tiles. ``it`` is the ring index of the tile's first key block, ``n`` the tile's place in the program's run."""
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_N: gl.constexpr = tile.BLOCK_N
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    rings = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
+    out = (o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q)
+    programs = gl.num_programs(0)
+    off_b, off_h, m0, n_blocks = _tile_coords(gl.program_id(0), seqlen_q, seqlen_k, heads_q, num_tiles, tile)
+    row0 = m0 + tile.WG * 64
     it = 0
-    q_phase = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_b, off_h, m0, n_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile)
-        row0 = m0 + tile.WG * 64
-        m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-        l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    n = 0
+    p, m_i, l_i = _first_block(rings, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
+    for t in range(gl.program_id(0) + programs, num_tiles, programs):  # t: the next tile
         acc = gl.zeros([64, D], gl.float32, layout=o_layout)
-        if n_blocks > 0:
-            m_i, l_i, acc = _attend(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                                    m_i, l_i, acc, it, q_phase, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile,
-                                    s_layout, o_layout)
-            it += n_blocks
-            q_phase ^= 1
-
-        # o = acc / l and lse = (m + log2 l) · ln 2; a row that saw no key gets o = 0 and lse = -inf.
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
-        _store_o(o.to(o_desc.dtype), o_desc, o_smem.index(tile.WG), off_b, row0, off_h)
-        rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-        lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
-        gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
+        p, m_i, l_i, acc = _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale,
+                                   tile, s_layout, o_layout)
+        next_b, next_h, next_m0, next_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile)
+        next_row0 = next_m0 + tile.WG * 64
+        p, m_i, l_i = _handover(rings, out, p, m_i, l_i, acc, it + n_blocks - 1, n + 1, off_b, off_h, row0,
+                                next_row0, next_blocks, seqlen_k, qk_scale, tile, s_layout, o_layout)
+        it += n_blocks
+        n += 1
+        off_b, off_h, row0, n_blocks = next_b, next_h, next_row0, next_blocks
+    acc = gl.zeros([64, D], gl.float32, layout=o_layout)
+    p, m_i, l_i, acc = _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale,
+                               tile, s_layout, o_layout)
+    acc, p_op = _last_pv(rings, p, acc, it + n_blocks - 1, tile, o_layout)
+    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
+    mbarrier.arrive(v_empty.index((it + n_blocks - 1) % tile.STAGES), count=1)
+    _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout, o_layout)
     tma.store_wait(0)  # the last tile's O has left shared memory
+
+
+@gluon.jit
+def _first_block(rings, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout: gl.constexpr):
+    """A program's first tile: wait for its Q and first K block, run QKᵀ and the block's softmax from an empty state.
+    Returns (p, m, l); P·V follows in ``_blocks`` or the hand-over."""
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
+    slot = n % tile.Q_STAGES
+    stage = it % tile.STAGES
+    s = _first_qk(q_smem, k_smem, q_ready, k_ready, slot, n, stage, it, tile, s_layout)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    mbarrier.arrive(q_empty.index(slot), count=1, pred=n_blocks == 1)
+    return _fresh_softmax(s, row0, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
+
+
+@gluon.jit
+def _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile,
+            s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Key blocks 1 .. n_blocks - 1 of a tile whose block 0 is done up to its softmax (``p``; the tile's blocks are
+    the ring's ``it``, ``it + 1``, ..., its Q buffer the run's ``n``-th): for block j, QKᵀ_j is issued, then
+    P_{j-1}·V_{j-1}; block j's softmax runs once QKᵀ_j is done, while the tensor cores still add the previous block
+    (P stays in registers as wgmma's A operand). Q is released as soon as the tile's last QKᵀ is done. Returns
+    (p, m, l, acc) with the last block's P·V still to do."""
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
+    D: gl.constexpr = tile.HEAD_DIM
+    BLOCK_N: gl.constexpr = tile.BLOCK_N
+    STAGES: gl.constexpr = tile.STAGES
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    slot = n % tile.Q_STAGES
+    q = _q_rows(q_smem, slot, tile)
+    diag = seqlen_k - seqlen_q
+    mask_from = _mask_from(row0, seqlen_q, seqlen_k, tile)
+    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
+    for j in range(1, n_blocks):
+        stage = (it + j) % STAGES
+        prev = (it + j - 1) % STAGES
+        mbarrier.wait(k_ready.index(stage), ((it + j) // STAGES) & 1)
+        s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
+        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s,))  # QKᵀ_j, issued first, is done; P_{j-1}·V_{j-1} may still run
+        mbarrier.arrive(k_empty.index(stage), count=1)
+        mbarrier.arrive(q_empty.index(slot), count=1, pred=j == n_blocks - 1)
+        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, j * BLOCK_N, rows, seqlen_k, diag, mask_from, qk_scale,
+                                      tile.CAUSAL, BLOCK_N, s_layout)
+        # p among the deps keeps this wait after the softmax in the generated code.
+        acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    return p, m_i, l_i, acc
+
+
+@gluon.jit
+def _handover(rings, out, p, m_i, l_i, acc, last, n, off_b, off_h, row0, next_row0, next_blocks, seqlen_k,
+              qk_scale, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """From a tile whose last block (ring index ``last``) is done up to its softmax to the next tile (the run's
+    ``n``-th, its first block the ring's ``last + 1``): issue the last P·V, then the next tile's first QKᵀ; once
+    the P·V is done, write this tile's output while that QKᵀ runs; then the next tile's first softmax. Returns the
+    next tile's (p, m, l). (Issuing the QKᵀ after the output instead read the same or up to 4 % slower, NOTES v14.)"""
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
+    acc, p_op = _last_pv(rings, p, acc, last, tile, o_layout)
+    slot = n % tile.Q_STAGES
+    stage = (last + 1) % tile.STAGES
+    s = _first_qk(q_smem, k_smem, q_ready, k_ready, slot, n, stage, last + 1, tile, s_layout)
+    acc, p_op = warpgroup_mma_wait(1, deps=(acc, p_op))  # the P·V, issued first, is done; the QKᵀ may still run
+    mbarrier.arrive(v_empty.index(last % tile.STAGES), count=1)
+    _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout, o_layout)
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    mbarrier.arrive(q_empty.index(slot), count=1, pred=next_blocks == 1)
+    o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q = out
+    return _fresh_softmax(s, next_row0, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
+
+
+@gluon.jit
+def _first_qk(q_smem, k_smem, q_ready, k_ready, slot, n, stage, it, tile, s_layout: gl.constexpr):
+    """Issue a tile's first QKᵀ (the run's ``n``-th tile, in Q buffer ``slot``; its first key block the ring's
+    ``it``, in ``stage``) once Q and K have landed, without waiting for it."""
+    mbarrier.wait(q_ready.index(slot), (n // tile.Q_STAGES) & 1)
+    mbarrier.wait(k_ready.index(stage), (it // tile.STAGES) & 1)
+    k_t = k_smem.index(stage).reshape([tile.BLOCK_N, tile.HEAD_DIM]).permute((1, 0))
+    return warpgroup_mma(_q_rows(q_smem, slot, tile), k_t, gl.zeros([64, tile.BLOCK_N], gl.float32, layout=s_layout),
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _last_pv(rings, p, acc, last, tile, o_layout: gl.constexpr):
+    """Issue a tile's last P·V (ring index ``last``) without waiting for it: returns (acc, P as the A operand), both
+    for the wait's deps (the registers stay live until the wgmma has read them)."""
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    stage = last % tile.STAGES
+    mbarrier.wait(v_ready.index(stage), (last // tile.STAGES) & 1)
+    p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+    return warpgroup_mma(p_op, v_smem.index(stage).reshape([tile.BLOCK_N, tile.HEAD_DIM]), acc, is_async=True), p_op
+
+
+@gluon.jit
+def _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """o = acc / l and lse = (m + log2 l) · ln 2 for the warpgroup's 64 rows; a row that saw no key gets o = 0 and
+    lse = -inf."""
+    o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q = out
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    _store_o(o.to(o_desc.dtype), o_desc, o_smem.index(tile.WG), off_b, row0, off_h)
+    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
+
+
+@gluon.jit
+def _q_rows(q_smem, slot, tile):
+    """This warpgroup's 64 rows of Q buffer ``slot``."""
+    return q_smem.index(slot).reshape([tile.BLOCK_M, tile.HEAD_DIM]).slice(tile.WG * 64, 64)
+
+
+@gluon.jit
+def _mask_from(row0, seqlen_q, seqlen_k, tile):
+    """Key blocks reaching past this key need a mask (keys past the end and, under causal, past the diagonal of the
+    warpgroup's first row)."""
+    mask_from = seqlen_k
+    if tile.CAUSAL:
+        mask_from = gl.minimum(seqlen_k, row0 + seqlen_k - seqlen_q + 1)
+    return mask_from
+
+
+@gluon.jit
+def _fresh_softmax(s, row0, seqlen_q, seqlen_k, qk_scale, tile, s_layout: gl.constexpr):
+    """A tile's first block (key 0 on): its softmax from an empty state -> (p, m, l)."""
+    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+    l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, rows, seqlen_k, seqlen_k - seqlen_q,
+                                  _mask_from(row0, seqlen_q, seqlen_k, tile), qk_scale, tile.CAUSAL, tile.BLOCK_N,
+                                  s_layout)
+    return p, m_i, l_i
 
 
 @gluon.jit
@@ -225,62 +382,6 @@ def _store_o(o, o_desc, buf, off_b, row0, off_h):
         staged.store(right)
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [off_b, row0, off_h, COLS], buf)
-
-
-@gluon.jit
-def _attend(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, m_i, l_i, acc, it,
-            q_phase, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout: gl.constexpr,
-            o_layout: gl.constexpr):
-    """The key loop of one warpgroup over one tile (``n_blocks >= 1``; the tile's blocks are the ring's ``it``,
-    ``it + 1``, ...): returns its (m, l, acc). Q is released as soon as the tile's last QKᵀ is done, so the producer
-    can load the next tile's Q under this tile's last P·V and epilogue."""
-    D: gl.constexpr = tile.HEAD_DIM
-    BLOCK_N: gl.constexpr = tile.BLOCK_N
-    STAGES: gl.constexpr = tile.STAGES
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    diag = seqlen_k - seqlen_q
-    mask_from = seqlen_k  # blocks reaching past this key need a mask
-    if tile.CAUSAL:
-        mask_from = gl.minimum(seqlen_k, row0 + diag + 1)
-    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
-
-    mbarrier.wait(q_ready, q_phase)
-    q = q_smem.reshape([tile.BLOCK_M, D]).slice(tile.WG * 64, 64)
-    stage = it % STAGES
-    mbarrier.wait(k_ready.index(stage), (it // STAGES) & 1)
-    s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, use_acc=False,
-                      is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(stage), count=1)
-    mbarrier.arrive(q_empty, count=1, pred=n_blocks == 1)
-    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, rows, seqlen_k, diag, mask_from, qk_scale, tile.CAUSAL, BLOCK_N,
-                                  s_layout)
-    for j in range(1, n_blocks):
-        stage = (it + j) % STAGES
-        prev = (it + j - 1) % STAGES
-        mbarrier.wait(k_ready.index(stage), ((it + j) // STAGES) & 1)
-        s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, use_acc=False,
-                          is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
-        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s,))  # QKᵀ_j, issued first, is done; P_{j-1}·V_{j-1} may still run
-        mbarrier.arrive(k_empty.index(stage), count=1)
-        mbarrier.arrive(q_empty, count=1, pred=j == n_blocks - 1)
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, j * BLOCK_N, rows, seqlen_k, diag, mask_from, qk_scale,
-                                      tile.CAUSAL, BLOCK_N, s_layout)
-        # p among the deps keeps this wait after the softmax in the generated code.
-        acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    last = (it + n_blocks - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((it + n_blocks - 1) // STAGES) & 1)
-    p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-    acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
-    acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-    mbarrier.arrive(v_empty.index(last), count=1)
-    return m_i, l_i, acc
 
 
 @gluon.jit
@@ -333,15 +434,17 @@ def descriptors(q, k, v, o, cfg) -> tuple:
 
 
 def shared_bytes(d: int, cfg) -> int:
-    """Shared memory a launch takes (element size 2): Q, ``num_stages`` K and V blocks, the two O staging buffers
-    (the mbarriers' few bytes aside)."""
-    return 2 * d * (cfg.block_m + 2 * cfg.num_stages * cfg.block_n) + 2 * 2 * ROWS_PER_WARPGROUP * min(d, O_COLUMNS)
+    """Shared memory a launch takes (element size 2): ``q_stages`` Q buffers, ``num_stages`` K and V blocks, the two
+    O staging buffers (the mbarriers' few bytes aside)."""
+    return (2 * d * (cfg.q_stages * cfg.block_m + 2 * cfg.num_stages * cfg.block_n)
+            + 2 * 2 * ROWS_PER_WARPGROUP * min(d, O_COLUMNS))
 
 
 def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False):
     """``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]`` (checked by the caller: what ``forward.py`` routes here),
-    into ``o [B, Sq, Hq, D]`` (TMA-aligned, as q) and ``lse [B, Hq, Sq]`` (last dims contiguous). A ``persistent`` tile launches one
-    program per SM, each looping over tiles; otherwise one program per tile. Returns ``(grid, Relaunch or None)``:
+    into ``o [B, Sq, Hq, D]`` (TMA-aligned, as q) and ``lse [B, Hq, Sq]`` (last dims contiguous). A ``persistent``
+    tile launches up to one program per SM (``programs``), each looping over tiles; otherwise one program per tile.
+    Returns ``(grid, Relaunch or None)``:
     with ``keep``, the launch kept for repeats with new arrays (``descriptors(q, k, v, o, cfg), lse``)."""
     if cfg.block_m != 2 * ROWS_PER_WARPGROUP or cfg.num_warps != 4:
         raise ValueError(f"config: the Hopper kernel runs 128-row tiles over two 4-warp warpgroups, not {cfg}")
@@ -351,14 +454,42 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False)
                          f"{SHARED_BYTES}")
     sk, hkv = k.shape[1], k.shape[2]
     num_tiles = cdiv(sq, cfg.block_m) * b * hq
-    grid = (min(num_tiles, _sm_count(q.device)) if cfg.persistent else num_tiles,)
+    grid = (programs(num_tiles, sq, sk, causal, cfg.block_m, cfg.block_n, _sm_count(q.device))
+            if cfg.persistent else num_tiles,)
     kept = start(
         keep, attention_fwd_sm90_kernel, grid, 5,
         *descriptors(q, k, v, o, cfg), lse, lse.stride(0), lse.stride(1),
         sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=causal, num_warps=4,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=causal,
+        Q_STAGES=cfg.q_stages, num_warps=4,
     )
     return grid, kept
+
+
+@functools.lru_cache(maxsize=256)
+def programs(num_tiles: int, seqlen_q: int, seqlen_k: int, causal: bool, block_m: int, block_n: int,
+             sms: int) -> int:
+    """A persistent launch's program count. Programs take laps of tiles, odd full laps reversed (``_tile_coords``);
+    of ``3/4 sms ... sms`` programs this picks the count whose busiest program has the least work, a tile counting
+    as its key blocks plus one (the per-tile cost measured at N = 512, NOTES v14), ties to the most programs. Under
+    causal the tiles differ in length and an uneven last lap left the busiest program 11 % over the mean (d = 128,
+    N = 512, 132 programs; 128 balance exactly). Past 64 laps the count is ``sms``: the tail is a small share."""
+    if num_tiles <= sms or num_tiles > 64 * sms:
+        return min(num_tiles, sms)
+    num_m = cdiv(seqlen_q, block_m)
+    m0 = np.arange(num_m)[::-1] * block_m if causal else np.zeros(num_m, dtype=np.int64)  # tile t's rows: t % num_m
+    hi = np.minimum(seqlen_k, m0 + block_m + seqlen_k - seqlen_q) if causal else np.full(num_m, seqlen_k)
+    cost = np.maximum(-(-hi // block_n), 1) + 1.0
+    t = np.arange(num_tiles)
+    best, best_load = sms, None
+    for count in range(sms, (3 * sms) // 4 - 1, -1):
+        lap, pos = t // count, t % count
+        mirror = (lap % 2 == 1) & ((lap + 1) * count <= num_tiles)
+        taken = np.where(mirror, lap * count + count - 1 - pos, t)
+        load = np.bincount(pos, weights=cost[taken % num_m], minlength=count).max()
+        if best_load is None or load < best_load:
+            best, best_load = count, load
+    return best
 
 
 @functools.cache
