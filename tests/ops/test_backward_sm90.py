@@ -128,9 +128,22 @@ def test_gluon_tile_is_refused_where_it_cannot_run():
     delta = torch.randn(1, 8, 2).transpose(1, 2)  # lse's shape, other strides: the kernel reads both with lse's
     with pytest.raises(ValueError, match="delta"):
         backward_sm90.launch_dkdv(q, k, v, do, lse, delta, k, v, 0.1, False, _BWD_WS_DKDV[128])
-    odd = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)  # dK and dV leave by TMA: aligned only
-    with pytest.raises(ValueError, match="dv: the kernel stores it by TMA"):
-        backward_sm90.launch_dkdv(q, k, v, do, lse, lse, k.clone(), odd, 0.1, False, _BWD_WS_DKDV[128])
+
+
+def test_dk_dv_leave_by_tma_where_they_can():
+    """dK and dV leave by TMA stores at d = 64 and 128 into aligned outputs of q's dtype from a ring of two stages or
+    more; otherwise (another dtype, as ring attention's float32 sums; off 16-byte alignment; one stage; d = 256) from
+    registers."""
+    from onlineattn.ops.backward_sm90 import stores_by_tma
+
+    q, k = (torch.randn(1, 8, 2, 128, dtype=torch.bfloat16) for _ in range(2))
+    odd = torch.empty(k.numel() + 1, dtype=k.dtype)[1:].view(k.shape)
+    tile = _BWD_WS_DKDV[128]
+    assert stores_by_tma(q, k, k.clone(), tile)
+    assert not stores_by_tma(q, k.float(), k.float(), tile) and not stores_by_tma(q, k, k.half(), tile)
+    assert not stores_by_tma(q, k, odd, tile) and not stores_by_tma(q, k, k, replace(tile, num_stages=1))
+    q256 = torch.randn(1, 8, 2, 256, dtype=torch.bfloat16)
+    assert not stores_by_tma(q256, q256, q256, _BWD_WS_DKDV[256])
 
 
 def test_ordered_tile_is_refused_where_it_cannot_run(monkeypatch):
@@ -377,9 +390,10 @@ def test_ordered_dq_is_bitwise_reproducible(shape, causal):
 @gpu
 @sm90
 @pytest.mark.parametrize("d", [128, 256])
-def test_misaligned_dk_dv_take_the_triton_tile(d, monkeypatch):
-    """dK and dV leave the Gluon kernel by TMA stores, so out buffers off 16-byte alignment send the call to the Triton
-    dK/dV tile (no Gluon launch), and the gradients agree with those of aligned buffers to the summation order."""
+def test_other_dk_dv_are_stored_from_registers(d, monkeypatch):
+    """Out buffers the TMA stores cannot take, off 16-byte alignment or float32 (ring attention's sums), still run the
+    Gluon dK/dV kernel, which stores them from registers, and get bitwise the dK and dV of aligned buffers (the
+    float32 ones before rounding)."""
     from onlineattn.ops import backward_sm90
 
     monkeypatch.setattr(B, "_STEPS", {})
@@ -392,9 +406,12 @@ def test_misaligned_dk_dv_take_the_triton_tile(d, monkeypatch):
     monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: launches.append(1) or start(*a, **kw))
     odd = [torch.empty(x.numel() + 8, dtype=x.dtype, device="cuda")[1:1 + x.numel()].view(x.shape) for x in (k, v)]
     got = B.backward(do, q, k, v, o, lse, d**-0.5, False, out=(torch.empty_like(q), *odd))
-    assert not launches and got[1] is odd[0] and got[2] is odd[1]
-    for a, b in zip(got, aligned):
-        torch.testing.assert_close(a, b, rtol=2**-6, atol=2**-10)
+    assert len(launches) == 1 and got[1] is odd[0] and got[2] is odd[1]
+    assert torch.equal(got[1], aligned[1]) and torch.equal(got[2], aligned[2])
+    wide = B.backward(do, q, k, v, o, lse, d**-0.5, False,
+                      out=(torch.empty_like(q), *(torch.empty_like(x, dtype=torch.float32) for x in (k, v))))
+    assert len(launches) == 2 and wide[1].dtype == torch.float32
+    assert torch.equal(wide[1].to(q.dtype), aligned[1]) and torch.equal(wide[2].to(q.dtype), aligned[2])
 
 
 @gpu

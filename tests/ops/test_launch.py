@@ -271,8 +271,8 @@ def test_every_specialisation_splits_keys(recorded):
 
 def _gluon_calls(monkeypatch) -> list:
     """(kernel, grid, args, kwargs) of the Gluon forward (both schedules) and dK/dV launches over dtypes, head dims,
-    masks, GQA groups (1 is a constexpr to Triton), odd lengths and lse/delta pointers off 16-byte alignment (the
-    forward's o and the backward's dk and dv go by descriptor: aligned, as the routing takes them)."""
+    masks, GQA groups (1 is a constexpr to Triton), odd lengths and lse/delta/dk/dv pointers off 16-byte alignment
+    (the forward's o goes by descriptor: aligned, as ``forward.py`` routes it)."""
     from onlineattn.ops import backward_sm90, forward_sm90
     from onlineattn.ops._configs import _BWD_WS_DKDV, _FWD_WS
 
@@ -291,7 +291,7 @@ def _gluon_calls(monkeypatch) -> list:
                     case = Case(dtype=dtype, offset=8 * (i == 0) + (i == 1))  # outputs: aligned, or 2 bytes off
                     q, do = (torch.randn(b, sq, hq, d, dtype=dtype) for _ in range(2))
                     k, v = (torch.randn(b, sk, hkv, d, dtype=dtype) for _ in range(2))
-                    o, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(k)  # by TMA: aligned
+                    o, dk, dv = torch.empty_like(q), _tensor(case, k.shape, "cpu", 1), _tensor(case, k.shape, "cpu", 2)
                     lse, delta = (torch.randn(b * hq * sq + case.offset)[case.offset:].view(b, hq, sq)
                                   for _ in range(2))
                     tile = _FWD_WS[causal][d]
@@ -319,7 +319,7 @@ def test_gluon_launches_bind_as_run_and_key_as_triton(monkeypatch):
     specs = " ".join(triton_of.values())
     for kind in ("tensordesc<bf16[1, 128, 1, 128],NVMMASharedLayout", "tensordesc<fp16[1, 64, 1, 64],NVMMASharedLayout",
                  "tensordesc<bf16[1, 64, 1, 256],NVMMASharedLayout",
-                 "('*fp32', 'D')", "('*fp32', '')", "('constexpr', 1)"):
+                 "('*fp32', 'D')", "('*fp32', '')", "('*bf16', '')", "('constexpr', 1)"):
         assert kind in specs, f"no case reaches the specialisation {kind}"
 
 

@@ -1,5 +1,6 @@
 """Triton helpers shared by the kernels: the online-softmax step, the epilogue that turns (m, l, acc) into (o, lse), the
-merge of partial states (natural log) and the page lookup of the KV caches.
+merge of partial states (natural log) and the page lookup of the KV caches; and whether tensors suit the copy engine
+(``tma_aligned``).
 
 Scores are kept in the log2 domain: ``x = s · scale · log2(e)``, so ``exp`` becomes ``exp2`` and the scale costs one
 multiply folded into the max. ``m`` is the running max of x, ``l`` the running sum of ``2^(x − m)``.
@@ -9,6 +10,18 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+
+
+def tma_aligned(*tensors) -> bool:
+    """The copy engine needs a 16-byte aligned base and 16-byte multiples for the outer strides (Triton's interpreter
+    emulates descriptors on CPU tensors, so tests reach this path there too)."""
+    for x in tensors:
+        size = x.element_size()
+        if x.data_ptr() % 16 or any(s * size % 16 for s in x.stride()[:-1]):
+            return False
+    return True
+
+
 LN2 = 0.6931471805599453
 
 

@@ -43,11 +43,12 @@ except ImportError:  # pragma: no cover - other Triton versions
     backward_sm90 = None
 from ._common import (
     LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, row_tile, sequence_bounds,
+    tma_aligned,
 )
 from ._configs import bwd_config
 from ._launch import bounded_put, cdiv, next_power_of_2, start
 from .forward import (
-    KERNEL_DTYPES, _last_dim_contiguous, _tma_ok, batch_slices, check_int32_offsets, descriptor, variant_args,
+    KERNEL_DTYPES, _last_dim_contiguous, batch_slices, check_int32_offsets, descriptor, variant_args,
 )
 from .forward import ws_ok as _forward_ws_ok
 
@@ -446,7 +447,7 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
         delta = (do.float() * o.float()).sum(-1).transpose(1, 2) - (0 if dlse is None else dlse)
     else:
         delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-        hopper = ws_ok(do, q, k, v, mods) and _tma_ok(dk, dv)  # dK and dV leave by TMA stores
+        hopper = ws_ok(do, q, k, v, mods)
         cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, causal=causal,
                                    ws_ok=hopper and not mods.varlen, seqlen_q=sq, seqlen_k=k.shape[1],
                                    deterministic=exact,
@@ -460,17 +461,16 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
                              "deterministic=False and torch's deterministic algorithms off")
         if cfg.dkdv.gluon and not hopper:
             raise ValueError("config: a gluon dK/dV tile runs only plain half-precision calls on sm_90 with equal "
-                             "head dims of 64, 128 or 256 (backward_sm90.HEAD_DIMS) and TMA-aligned q, k, v, do and "
-                             "the dk, dv outputs")
+                             "head dims of 64, 128 or 256 (backward_sm90.HEAD_DIMS) and TMA-aligned q, k, v and do")
         if cfg.dq.split_scores:  # measured slower at every tile tried (NOTES v8), so the dQ kernel has no branch
             raise ValueError("config: split_scores applies to the dK/dV tile only, not to config.dq")
         group = hq // hkv
         # Packed query rows come through the copy engine when a row tile holds whole groups in order (boxes must be
         # powers of two); K and V in the dQ kernel whenever the strides allow. Not for packed sequences, whose
         # bounds a descriptor over the whole pack cannot know.
-        tma_rows = (cfg.dkdv.tma and group & (group - 1) == 0 and cfg.dkdv.block_m % group == 0 and _tma_ok(q, do)
+        tma_rows = (cfg.dkdv.tma and group & (group - 1) == 0 and cfg.dkdv.block_m % group == 0 and tma_aligned(q, do)
                     and not mods.varlen)
-        tma_keys = cfg.dq.tma and _tma_ok(k, v) and not mods.varlen
+        tma_keys = cfg.dq.tma and tma_aligned(k, v) and not mods.varlen
         # Every tensor is also read through pointers by one kernel or another, so all must fit int32 offsets.
         if mods.varlen:
             lq, lk = slice(0, mods.max_seqlen_q), slice(0, mods.max_seqlen_k)
@@ -511,7 +511,7 @@ def ws_ok(do, q, k, v, mods: Mods) -> bool:
     """Whether the Hopper dK/dV kernel (backward_sm90.py) can run this call: what the forward's needs (forward.ws_ok,
     with a unit scale: the backward takes no max), a head dim it is built for, and dO through a descriptor too."""
     return (backward_sm90 is not None and q.shape[-1] in backward_sm90.HEAD_DIMS and _forward_ws_ok(q, k, v, 1.0, mods)
-            and _tma_ok(k, v, do))
+            and tma_aligned(k, v, do))
 
 
 def _preprocess(o, do, lse, dlse, delta, keep: bool = False):
@@ -627,7 +627,7 @@ _MAX_STEPS = 256  # shapes a training process sees are few; past this the table 
 def _step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing):
     """Everything a plain whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars
     (with their types: an int scale specialises differently), the base alignment of the tensors that may go
-    through descriptors (``_tma_ok`` reads it), and ``routing``: (the explicit config or None, whether the call
+    through descriptors (``tma_aligned`` reads it), and ``routing``: (the explicit config or None, whether the call
     must be deterministic)."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), do.shape,
             do.stride(), lse.shape, lse.stride(), dq.shape, dq.stride(), dk.shape, dk.stride(), dv.shape, dv.stride(),

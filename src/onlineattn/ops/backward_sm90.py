@@ -15,7 +15,8 @@ mbarriers, so both warpgroups read each tile once from shared memory. Per tile a
 shared memory, from where both warpgroups' dV and dK products read them),
 
 and the group's sum of dK and dV stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton kernel, whose
-delta pass and dQ kernel this one runs beside. Plain attention only: float16/bfloat16, equal head dims (64, 128 or 256),
+delta pass and dQ kernel this one runs beside. dK and dV leave by TMA stores from two Q/dO stages, free once both
+warpgroups are past their last tile (``stores_by_tma``: outputs of q's dtype, aligned; else from registers). Plain attention only: float16/bfloat16, equal head dims (64, 128 or 256),
 TMA-able strides, ``backward.py`` routes a launch here when ``bwd_config`` picks a ``gluon`` dK/dV tile.
 
 With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
@@ -37,7 +38,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from ._common import LOG2E
+from ._common import LOG2E, tma_aligned
 from ._launch import cdiv, start
 from .forward_sm90 import Tile, _sm_count, descriptor
 
@@ -63,7 +64,7 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
                                    seqlen_q, seqlen_k, heads_kv, qk_scale,
                                    sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-                                   FUSED_DQ: gl.constexpr, ORDERED: gl.constexpr = False):
+                                   FUSED_DQ: gl.constexpr, ORDERED: gl.constexpr, TMA_OUT: gl.constexpr):
     pid_n = gl.program_id(0)
     if ORDERED and CAUSAL:  # the last key blocks first: a tile's causal adds come from them first (_turn)
         pid_n = gl.num_programs(0) - 1 - pid_n
@@ -137,7 +138,7 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     where = (off_b, off_hkv, n0, lo, row_tiles, gl.to_tensor(shift), seqlen_q)
     dq_rows = gl.to_tensor(dq_rows)
     consumer = smem + (ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done) + where + (
-        dk_desc, dv_desc, DQ, dq_rows,
+        dk_desc, dv_desc, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, DQ, dq_rows,
         seqlen_k, qk_scale, sm_scale)
     loads = (q_desc, k_desc, v_desc, do_desc) + smem + where + (
         LSE, DELTA, stride_lb, stride_lh, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED))
@@ -159,15 +160,19 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
         writer = (DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, dq_rows, seqlen_k, gl.to_tensor(heads_kv)) + where + (
             Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED),)
         gl.warp_specialize([
-            (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED),)),
-            (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED),)),
+            (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED,
+                                         TMA_OUT=TMA_OUT),)),
+            (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED,
+                                         TMA_OUT=TMA_OUT),)),
             (_producer, loads),
             (_dq_writer, writer),
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
-            (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
-            (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ),)),
+            (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ,
+                                         TMA_OUT=TMA_OUT),)),
+            (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ,
+                                         TMA_OUT=TMA_OUT),)),
             (_producer, loads),
         ], [4, 1], [240, 24])
 
@@ -203,12 +208,12 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_smem, ds_ready, ds_free,
               dq_smem, dq_full, dq_empty, done,
-              off_b, off_hkv, n0, lo, row_tiles, shift, seqlen_q, dk_desc, dv_desc, DQ, dq_rows, seqlen_k, qk_scale,
-              sm_scale, tile):
-    """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored by TMA (dK times the scale;
-    ``_store_dkdv_tma``). With
-    FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to the float32
-    accumulator (unscaled) by TMA reduces, one row tile behind (ORDERED: staged for the writer warp, _dq_writer)."""
+              off_b, off_hkv, n0, lo, row_tiles, shift, seqlen_q, dk_desc, dv_desc, DK, DV, stride_dkb, stride_dks,
+              stride_dkh, stride_dvb, stride_dvs, stride_dvh, DQ, dq_rows, seqlen_k, qk_scale, sm_scale, tile):
+    """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale): by TMA
+    with TMA_OUT (``_store_dkdv_tma``), else from registers (``_store_dkdv``). With FUSED_DQ, per row tile also
+    dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to the float32 accumulator (unscaled) by TMA
+    reduces, one row tile behind (ORDERED: staged for the writer warp, _dq_writer)."""
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     STAGES: gl.constexpr = tile.STAGES
@@ -295,11 +300,16 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
                     tile)
             tma.store_wait(0)  # the last reduce has read its staging buffer
 
-    # Every Q/dO stage is free once both warpgroups are past their last tile (the producer loads no more).
-    mbarrier.arrive(done, count=1)
-    mbarrier.wait(done, 0)
-    _store_dkdv_tma(dk * sm_scale, dv, dk_desc, dv_desc, q_smem.index(tile.WG), do_smem.index(tile.WG), off_b, off_hkv,
-                    key0)
+    if tile.TMA_OUT:  # every Q/dO stage is free once both warpgroups are past their last tile (no more loads)
+        mbarrier.arrive(done, count=1)
+        mbarrier.wait(done, 0)
+        _store_dkdv_tma(dk * sm_scale, dv, dk_desc, dv_desc, q_smem.index(tile.WG), do_smem.index(tile.WG), off_b,
+                        off_hkv, key0)
+    else:
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
+        out_keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
+        _store_dkdv(dk, dv, DK, DV, off_b, off_hkv, out_keys, cols, seqlen_k, stride_dkb, stride_dks, stride_dkh,
+                    stride_dvb, stride_dvs, stride_dvh, sm_scale)
 
 
 @gluon.jit
@@ -534,12 +544,22 @@ def _release_asm(pending):
 
 def descriptors(q, k, v, do, dk, dv, tile) -> tuple:
     """Q's, K's, V's, dO's, dK's and dV's descriptors for ``tile``: a row tile of one head, a key block of one kv
-    head, and for dK and dV a warpgroup's 64 keys (the Q/dO stages' box, which stage them; d = 256 stores them from
-    registers and leaves these unused)."""
+    head, and for dK and dV a warpgroup's 64 keys (the Q/dO stages' box, which stage them). Where the kernel stores
+    dK and dV from registers (``stores_by_tma`` is false) Q's and dO's stand in for them, unread."""
     d = q.shape[-1]
     rows_block, keys_block = (1, tile.block_m, 1, d), (1, tile.block_n, 1, d)
-    return (descriptor(q, rows_block), descriptor(k, keys_block), descriptor(v, keys_block), descriptor(do, rows_block),
-            descriptor(dk, rows_block), descriptor(dv, rows_block))
+    q_desc, do_desc = descriptor(q, rows_block), descriptor(do, rows_block)
+    outs = ((descriptor(dk, rows_block), descriptor(dv, rows_block)) if stores_by_tma(q, dk, dv, tile)
+            else (q_desc, do_desc))
+    return (q_desc, descriptor(k, keys_block), descriptor(v, keys_block), do_desc, *outs)
+
+
+def stores_by_tma(q, dk, dv, tile) -> bool:
+    """Whether the kernel stores dK and dV by TMA from two free Q/dO stages: at d = 64 and 128, into outputs of q's
+    dtype with a 16-byte aligned base and strides, with a ring of two stages or more. Otherwise it stores them from
+    registers (``gl.store``), as at d = 256 and for ring attention, which sums its steps into float32 dk and dv."""
+    return (q.shape[-1] <= 128 and tile.num_stages >= 2 and dk.dtype == q.dtype and dv.dtype == q.dtype
+            and tma_aligned(dk, dv))
 
 
 def dq_descriptor(dq_acc, tile, d: int, device):
@@ -582,9 +602,6 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
         raise ValueError("dq_sem: a dq_ordered tile needs the int32 counters, and only it takes them")
     if delta.stride() != lse.stride():
         raise ValueError(f"delta: the kernel reads it with lse's strides {lse.stride()}, not {delta.stride()}")
-    for name, x in (("dk", dk), ("dv", dv)):  # stored by TMA: a 16-byte aligned base and outer strides
-        if x.data_ptr() % 16 or any(s * x.element_size() % 16 for s in x.stride()[:-1]):
-            raise ValueError(f"{name}: the kernel stores it by TMA, which needs a 16-byte aligned base and strides")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     grid = (cdiv(sk, tile.block_n), b * hkv)
@@ -610,7 +627,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), rows_per_batch,
         sq, sk, hkv, scale * LOG2E, scale,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
-        GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, ORDERED=tile.dq_ordered, num_warps=4,
+        GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, ORDERED=tile.dq_ordered, TMA_OUT=stores_by_tma(q, dk, dv, tile),
+        num_warps=4,
     )
     return grid, kept
 

@@ -26,7 +26,7 @@ except ImportError:  # pragma: no cover - other Triton versions
     forward_sm90 = None
 from ._common import (
     LOG2E, band_key_range, finalize_state, keep_scale, key_range, row_tile, score_mod, sequence_bounds, softmax_probs,
-    tile_order, visible,
+    tile_order, tma_aligned, visible,
 )
 from ._configs import fwd_config
 from ._launch import bounded_put, cdiv, next_power_of_2, start
@@ -240,7 +240,7 @@ def ws_ok(q, k, v, scale, mods: Mods) -> bool:
     is taken before scaling), and Q through a tensor descriptor too (K and V are checked by the caller)."""
     return (forward_sm90 is not None and mods is PLAIN and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
             and q.shape[-1] == v.shape[-1] and q.shape[-1] in forward_sm90.HEAD_DIMS and scale > 0
-            and forward_sm90.is_sm90(q.device) and _tma_ok(q))
+            and forward_sm90.is_sm90(q.device) and tma_aligned(q))
 
 
 def descriptor(x, box_rows: int, box_heads: int, box_d: int) -> TensorDescriptor:
@@ -256,16 +256,6 @@ def _kv_descriptors(k, v, cfg):
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _tma_ok(*tensors) -> bool:
-    """The copy engine needs a 16-byte aligned base and 16-byte multiples for the outer strides (Triton's interpreter
-    emulates descriptors on CPU tensors, so tests reach this path there too)."""
-    for x in tensors:
-        size = x.element_size()
-        if x.data_ptr() % 16 or any(s * size % 16 for s in x.stride()[:-1]):
-            return False
-    return True
 
 
 # CUDA caps the grid's second axis (one program column per (batch, kv head)); larger batches launch in slices.
@@ -318,13 +308,13 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
         if mods.sinks is None:
             return o, lse.fill_(float("-inf"))
         return o, lse.copy_(mods.sinks.view(hq, 1) if mods.varlen else mods.sinks.view(1, hq, 1))  # lse = the sink
-    tma_ok = not mods.varlen and _tma_ok(k, v)  # a descriptor's bounds would be the whole pack, not a sequence
+    tma_ok = not mods.varlen and tma_aligned(k, v)  # a descriptor's bounds would be the whole pack, not a sequence
     cfg = config or fwd_config(q.shape[-1], dv, q.dtype, causal, q.device.type, variants=mods is not PLAIN,
                                seqlen_q=mods.max_seqlen_q if mods.varlen else q.shape[1],
                                seqlen_k=mods.max_seqlen_k if mods.varlen else k.shape[1], tma_ok=tma_ok,
-                               ws_ok=tma_ok and ws_ok(q, k, v, scale, mods) and _tma_ok(o))
+                               ws_ok=tma_ok and ws_ok(q, k, v, scale, mods) and tma_aligned(o))
     if cfg.gluon:  # one launch: its grid is one-dimensional (tiles), with no grid-y limit to slice the batch for
-        if config is not None and not (tma_ok and ws_ok(q, k, v, scale, mods) and _tma_ok(o)):
+        if config is not None and not (tma_ok and ws_ok(q, k, v, scale, mods) and tma_aligned(o)):
             raise ValueError("config: a gluon tile runs only plain half-precision calls on sm_90 with equal head dims, "
                              "a positive scale and TMA-aligned q, k, v and out")
         check_int32_offsets(lse=lse)  # the kernel's offsets within a batch entry are int32 (Q, K, V and O go by TMA)
@@ -429,7 +419,7 @@ _MAX_STEPS = 256  # shapes a process sees are few; past this the table starts ov
 
 def _step_key(q, k, v, o, lse, scale, causal, config):
     """What a plain whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars (with
-    their types), and the base alignment of Q, K, V and O (``_tma_ok`` reads it)."""
+    their types), and the base alignment of Q, K, V and O (``tma_aligned`` reads it)."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), lse.shape,
             lse.stride(), q.dtype, k.dtype, v.dtype, o.dtype, lse.dtype, q.device, scale, type(scale), causal,
             type(causal), config, q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, o.data_ptr() % 16)

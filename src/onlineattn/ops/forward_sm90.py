@@ -56,10 +56,11 @@ class Tile:
     FUSED_DQ: gl.constexpr  # the dK/dV kernel also reduces dQ (backward_sm90.py); the forward: False
     ORDERED: gl.constexpr  # with FUSED_DQ: the dQ adds in a fixed order (backward_sm90.py); the forward: False
     Q_STAGES: gl.constexpr  # the forward's Q buffers (two: the next tile's Q lands while this tile runs)
+    TMA_OUT: gl.constexpr  # the dK/dV kernel stores dK and dV by TMA (backward_sm90.stores_by_tma)
 
     @gluon.constexpr_function
     def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False, ORDERED=False,
-                 Q_STAGES=1):
+                 Q_STAGES=1, TMA_OUT=False):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -70,6 +71,7 @@ class Tile:
         self.FUSED_DQ = gl.constexpr(FUSED_DQ)
         self.ORDERED = gl.constexpr(ORDERED)
         self.Q_STAGES = gl.constexpr(Q_STAGES)
+        self.TMA_OUT = gl.constexpr(TMA_OUT)
 
 
 @gluon.jit
@@ -128,7 +130,8 @@ def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile):
     so under causal a program that took a longer tile of one lap takes a shorter one of the next, and ``programs``
     picks the count whose laps balance best (a length-major order balanced them too but lost more to L2, NOTES v12).
     A tile whose rows all sit above the causal diagonal (Sq > Sk) still takes key block 0, fully masked: its rows
-    get o = 0 and lse = -inf like any row that sees no key."""
+    get o = 0 and lse = -inf like any row that sees no key (o is 0 · V there: NaN where that block of V holds inf or
+    NaN, as for any masked key of a computed block)."""
     programs = gl.num_programs(0)
     lap = t // programs
     mirror = (lap % 2 == 1) & ((lap + 1) * programs <= num_tiles)
@@ -448,6 +451,8 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False)
     with ``keep``, the launch kept for repeats with new arrays (``descriptors(q, k, v, o, cfg), lse``)."""
     if cfg.block_m != 2 * ROWS_PER_WARPGROUP or cfg.num_warps != 4:
         raise ValueError(f"config: the Hopper kernel runs 128-row tiles over two 4-warp warpgroups, not {cfg}")
+    if cfg.q_stages not in (1, 2):
+        raise ValueError(f"config: q_stages is 1 or 2 (Q buffers), not {cfg.q_stages}")
     b, sq, hq, d = q.shape
     if shared_bytes(d, cfg) > SHARED_BYTES:
         raise ValueError(f"config: {cfg} needs {shared_bytes(d, cfg)} bytes of shared memory at d = {d}; an SM has "
