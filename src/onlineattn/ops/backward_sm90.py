@@ -458,10 +458,12 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqle
                row_tiles, shift, seqlen_q, tile):
     """ORDERED, one warp: the program's dQ tiles into the float32 accumulator in a fixed order. Each (batch, head,
     row tile) has a counter in ``SEM`` (int32, zeroed) of the adds landed; the writer waits until it reaches this
-    program's turn (``_turn``), issues both warpgroups' TMA reduces, and one tile later, once they have landed,
-    raises the counter and releases the staging buffers. So every run adds in the same order: dQ is bitwise
-    reproducible. A tile's counter is raised only after the writer has waited for its next tile's turn, so every chain
-    of waits must end (``_turn`` says why it does). Non-causal key blocks wait on blocks launched after them, so all
+    program's turn (``_turn``), issues both warpgroups' TMA reduces, and once they have landed raises the counter
+    and releases the staging buffers (the consumers run up to two tiles ahead). So every run adds in the same order:
+    dQ is bitwise reproducible. A writer waits only on adds with an earlier turn at the same tile, which their writers
+    raise without waiting on anything else, so every chain of waits ends (NOTES v14: raising a tile's counter only
+    after the next tile's turn, as before, chained the waits across tiles). Non-causal key blocks wait on blocks
+    launched after them, so all
     of a (batch, kv head)'s blocks must be resident at once: ``launch_dkdv`` takes no more of them than the device
     has SMs (``ordered_blocks``). Causal ones wait only on blocks launched before them."""
     BLOCK_M: gl.constexpr = tile.BLOCK_M
@@ -470,36 +472,30 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqle
     n_tiles = row_tiles * tile.GROUP
     q_tiles = rows_per_batch // BLOCK_M
     heads_q = heads_kv * tile.GROUP
-    counter = SEM + lane * 0  # this tile's counter, in every lane (lane 0 releases it)
-    before = counter
     for t in range(n_tiles):
         buf = t % 2
         g, m = _row_tile(t, lo, row_tiles, shift, tile)
         head = off_hkv * tile.GROUP + g
         turn = _turn(g * row_tiles + (m - lo) // BLOCK_M, m // BLOCK_M, pid_n, n_tiles, seqlen_q, seqlen_k, tile)
         mbarrier.wait(dq_full.index(buf), (t // 2) & 1)
-        before = counter
-        counter = SEM + ((off_b * heads_q + head) * q_tiles + m // BLOCK_M) + lane * 0
+        counter = SEM + ((off_b * heads_q + head) * q_tiles + m // BLOCK_M) + lane * 0  # lane 0 releases it
         seen = gl.min(_load_acquire(counter), axis=0)
         while seen < turn:
             seen = gl.min(_load_acquire(counter), axis=0)
         row0 = off_b * rows_per_batch + m
         _tma_reduce_add(DQ, [row0, head * tile.HEAD_DIM], dq_smem.index(2 * buf))
         _tma_reduce_add(DQ, [row0, head * tile.HEAD_DIM + HALF_D], dq_smem.index(2 * buf + 1))
-        if t > 0:  # the last tile's two reduces have landed: count them, free their buffers
-            _release(before, lane, 2)
-            mbarrier.arrive(dq_empty.index(1 - buf), count=1)
-    if n_tiles > 0:
-        _release(counter, lane, 0)
-        mbarrier.arrive(dq_empty.index((n_tiles - 1) % 2), count=1)
+        _release(counter, lane, 0)  # once both reduces have landed: count them, free their buffers
+        mbarrier.arrive(dq_empty.index(buf), count=1)
 
 
 @gluon.jit
 def _turn(tile_of, mt, pid_n, n_tiles, seqlen_q, seqlen_k, tile):
     """How many programs of this (batch, kv head) add into row tile ``mt`` before this one, key block ``pid_n`` of
     K = ``blocks``; ``tile_of`` is the tile's index among a program's ``n_tiles`` (head of the group, then row tile),
-    before any rotation. A writer raises a tile's counter only after waiting for its next tile's turn, so the step
-    at which a program adds must run ahead of the steps it waits on:
+    before any rotation. The orders below put each add a few steps after the add it waits on, so the waits seldom
+    stall (with the writer's old rule, a counter raised only after the next tile's turn, they also kept the chains
+    of waits finite):
     - Non-causal, key block j starts ``j · s`` tiles in (s = ``_spacing`` >= 2, K · s <= n_tiles), so it reaches tile
       t at step (t - j·s) mod n_tiles, and the adds go by step: a = min(t // s, K - 1), a - 1, ..., 0, K - 1, ...,
       a + 1, so j's turn is (a - j) mod K. Each waits on an add made at least s >= 2 steps earlier, whose writer
