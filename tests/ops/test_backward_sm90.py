@@ -128,6 +128,9 @@ def test_gluon_tile_is_refused_where_it_cannot_run():
     delta = torch.randn(1, 8, 2).transpose(1, 2)  # lse's shape, other strides: the kernel reads both with lse's
     with pytest.raises(ValueError, match="delta"):
         backward_sm90.launch_dkdv(q, k, v, do, lse, delta, k, v, 0.1, False, _BWD_WS_DKDV[128])
+    strided = torch.randn(1, 8, 2, 256, dtype=k.dtype)[..., ::2]  # dk's shape with a last-dim stride of 2
+    with pytest.raises(ValueError, match="dk: the kernel writes rows"):
+        backward_sm90.launch_dkdv(q, k, v, do, lse, lse, strided, v.clone(), 0.1, False, _BWD_WS_DKDV[128])
 
 
 def test_dk_dv_leave_by_tma_where_they_can():
@@ -185,9 +188,11 @@ triton.runtime.driver.set_active(Sm90NoLaunch())
 from dataclasses import replace
 from onlineattn.ops import backward_sm90
 from onlineattn.ops._configs import _BWD_WS_DKDV
-for d, causal, fused, ordered in ((128, False, False, False), (64, True, False, False), (128, True, True, False),
-                                  (64, False, True, False), (256, True, False, False), (256, False, False, False),
-                                  (128, False, True, True), (64, True, True, True)):
+for d, causal, fused, ordered, wide in ((128, False, False, False, False), (64, True, False, False, False),
+                                        (128, True, True, False, False), (64, False, True, False, False),
+                                        (256, True, False, False, False), (256, False, False, False, False),
+                                        (128, False, True, True, False), (64, True, True, True, False),
+                                        (128, True, True, True, True)):
     q = torch.randn(2, 300, 8, d, dtype=torch.bfloat16)
     k = torch.randn(2, 300, 2, d, dtype=torch.bfloat16)
     lse = torch.randn(2, 8, 300)
@@ -195,14 +200,16 @@ for d, causal, fused, ordered in ((128, False, False, False), (64, True, False, 
     run = backward_sm90.attention_bwd_dkdv_sm90_kernel.run
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = lambda *a, **kw: compiled.append(
         run(*a, **{{**kw, "warmup": True}}))
-    backward_sm90.launch_dkdv(q, k, k, q, lse, lse, torch.empty_like(k), torch.empty_like(k), 0.1, causal,
+    dk, dv = (torch.empty_like(k, dtype=torch.float32 if wide else k.dtype) for _ in range(2))
+    backward_sm90.launch_dkdv(q, k, k, q, lse, lse, dk, dv, 0.1, causal,
                               replace(_BWD_WS_DKDV[d], fused_dq=fused, dq_ordered=ordered),
                               dq_acc=torch.zeros(2, 320, 8, d) if fused else None,
                               dq_sem=torch.zeros(2, 8, 5, dtype=torch.int32) if ordered else None)
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
     print(d, ptx.count("wgmma.mma_async"), int("cp.reduce.async.bulk.tensor" in ptx),
-          int("ld.acquire.gpu" in ptx and "red.release.gpu" in ptx))
+          int("ld.acquire.gpu" in ptx and "red.release.gpu" in ptx),
+          int("cp.async.bulk.tensor.4d.global.shared" in ptx))
 # one query row of one head: lse's batch stride is 1, an int Triton makes a constexpr (partition arguments must not be)
 q, k, lse = torch.randn(2, 1, 1, 64, dtype=torch.bfloat16), torch.randn(2, 3, 1, 64, dtype=torch.bfloat16), torch.randn(2, 1, 1)
 assert lse.stride(0) == 1
@@ -215,15 +222,16 @@ def test_kernel_compiles_for_sm90():
     """Gluon -> PTX -> cubin for sm_90: per warpgroup and row tile Sᵀ and dPᵀ (d / 16 wgmma each) and dV and dK
     (64 rows / 16 each), nothing duplicated; fused_dq adds dQ's half (128 keys / 16, in the loop and once after it
     for the last tile) and its float32 TMA reduce-adds; dq_ordered the writer warp's acquiring counter loads and
-    releasing adds (and the same matmuls)."""
+    releasing adds (and the same matmuls); dK and dV by TMA stores at d = 64/128 into outputs of q's dtype, from
+    registers at d = 256 and into float32 outputs."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["128", "48", "0", "0", "64", "32", "0", "0", "128", "80", "1", "0", "64", "64", "1",
-                                  "0", "256", "80", "0", "0", "256", "80", "0", "0", "128", "80", "1", "1", "64", "64",
-                                  "1", "1", "tiny"], out.stdout
+    rows = ["128 48 0 0 1", "64 32 0 0 1", "128 80 1 0 1", "64 64 1 0 1", "256 80 0 0 0", "256 80 0 0 0",
+            "128 80 1 1 1", "64 64 1 1 1", "128 80 1 1 0", "tiny"]
+    assert out.stdout.split() == " ".join(rows).split(), out.stdout
 
 
 SHAPES = [  # b, sq, sk, hq, hkv

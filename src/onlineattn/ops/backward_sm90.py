@@ -14,10 +14,12 @@ mbarriers, so both warpgroups read each tile once from shared memory. Per tile a
 (at d = 256 each warpgroup computes Sᵀ and dPᵀ for half of the tile's rows and writes its Pᵀ and dSᵀ halves to
 shared memory, from where both warpgroups' dV and dK products read them),
 
-and the group's sum of dK and dV stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton kernel, whose
-delta pass and dQ kernel this one runs beside. dK and dV leave by TMA stores from two Q/dO stages, free once both
-warpgroups are past their last tile (``stores_by_tma``: outputs of q's dtype, aligned; else from registers). Plain attention only: float16/bfloat16, equal head dims (64, 128 or 256),
-TMA-able strides, ``backward.py`` routes a launch here when ``bwd_config`` picks a ``gluon`` dK/dV tile.
+and the group's sum of dK and dV stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton
+kernel, whose delta pass and dQ kernel this one runs beside. dK and dV leave by TMA stores from two Q/dO stages,
+free once both warpgroups are past their last tile, where ``stores_by_tma`` holds (d = 64/128, outputs of q's dtype,
+aligned, two stages or more); otherwise (d = 256, float32 outputs, one stage) from registers. Plain attention only:
+float16/bfloat16, equal head dims (64, 128 or 256), TMA-able strides, ``backward.py`` routes a launch here when
+``bwd_config`` picks a ``gluon`` dK/dV tile.
 
 With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
 issues dQ = dS K for half of dQ's columns over all 128 keys behind that tile's dV and dK, and adds the result into
@@ -434,8 +436,9 @@ def _row_tile(t, lo, row_tiles, shift, tile):
 @gluon.jit
 def _spacing(n_tiles, seqlen_k, BLOCK_N: gl.constexpr):
     """ORDERED, non-causal: how many row tiles apart consecutive key blocks start (``n_tiles`` each), at least 2; 0
-    where that does not fit (fewer than two row tiles per key block): they then all start at the first. A spacing
-    of 1 would close a cycle of waits (``_turn``)."""
+    where that does not fit (fewer than two row tiles per key block): they then all start at the first. (With the
+    writer's earlier rule, a counter raised only after the next tile's turn, a spacing of 1 closed a cycle of waits,
+    session 21; now the spacing only keeps each add steps after the one it waits on.)"""
     s = n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
     return gl.where(s >= 2, s, 0)
 
@@ -460,12 +463,12 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqle
     row tile) has a counter in ``SEM`` (int32, zeroed) of the adds landed; the writer waits until it reaches this
     program's turn (``_turn``), issues both warpgroups' TMA reduces, and once they have landed raises the counter
     and releases the staging buffers (the consumers run up to two tiles ahead). So every run adds in the same order:
-    dQ is bitwise reproducible. A writer waits only on adds with an earlier turn at the same tile, which their writers
-    raise without waiting on anything else, so every chain of waits ends (NOTES v14: raising a tile's counter only
-    after the next tile's turn, as before, chained the waits across tiles). Non-causal key blocks wait on blocks
-    launched after them, so all
-    of a (batch, kv head)'s blocks must be resident at once: ``launch_dkdv`` takes no more of them than the device
-    has SMs (``ordered_blocks``). Causal ones wait only on blocks launched before them."""
+    dQ is bitwise reproducible. An add waits on its own program's earlier adds and on the adds at the same tile with
+    an earlier turn, which ``_turn`` puts at earlier steps (or, at the same step, on the blocks before it): that order
+    has no cycle, so every chain of waits ends. (Raising a tile's counter only after the next tile's turn, as before
+    NOTES v14, also made the chains cross tiles.) Non-causal key blocks wait on blocks launched after them, so all of
+    a (batch, kv head)'s blocks must be resident at once: ``launch_dkdv`` takes no more of them than the device has
+    SMs (``ordered_blocks``). Causal ones wait only on blocks launched before them."""
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     HALF_D: gl.constexpr = tile.HEAD_DIM // 2
     lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
@@ -485,7 +488,7 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqle
         row0 = off_b * rows_per_batch + m
         _tma_reduce_add(DQ, [row0, head * tile.HEAD_DIM], dq_smem.index(2 * buf))
         _tma_reduce_add(DQ, [row0, head * tile.HEAD_DIM + HALF_D], dq_smem.index(2 * buf + 1))
-        _release(counter, lane, 0)  # once both reduces have landed: count them, free their buffers
+        _release(counter, lane)  # once both reduces have landed: count them, free their buffers
         mbarrier.arrive(dq_empty.index(buf), count=1)
 
 
@@ -493,13 +496,11 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqle
 def _turn(tile_of, mt, pid_n, n_tiles, seqlen_q, seqlen_k, tile):
     """How many programs of this (batch, kv head) add into row tile ``mt`` before this one, key block ``pid_n`` of
     K = ``blocks``; ``tile_of`` is the tile's index among a program's ``n_tiles`` (head of the group, then row tile),
-    before any rotation. The orders below put each add a few steps after the add it waits on, so the waits seldom
-    stall (with the writer's old rule, a counter raised only after the next tile's turn, they also kept the chains
-    of waits finite):
+    before any rotation. Each add waits on adds at earlier steps of their programs (or, at the same step, on blocks
+    it comes after), so the chains of waits end, and the orders put them steps apart, so the waits seldom stall:
     - Non-causal, key block j starts ``j · s`` tiles in (s = ``_spacing`` >= 2, K · s <= n_tiles), so it reaches tile
       t at step (t - j·s) mod n_tiles, and the adds go by step: a = min(t // s, K - 1), a - 1, ..., 0, K - 1, ...,
-      a + 1, so j's turn is (a - j) mod K. Each waits on an add made at least s >= 2 steps earlier, whose writer
-      waited at most one step later than that: the chains of waits go to earlier steps and end. With s = 0 every
+      a + 1, so j's turn is (a - j) mod K. Each waits on an add made at least s >= 2 steps earlier. With s = 0 every
       block starts at the first tile and the adds go by block, each waiting on the block before at the same step:
       the chain ends at block 0.
     - Causal programs launch from the last key block (the kernel reverses the grid), which sees the fewest rows. A
@@ -525,17 +526,13 @@ def _load_acquire(ptrs):
 
 
 @gluon.jit
-def _release(ptrs, lane, PENDING: gl.constexpr):
-    """Wait until at most ``PENDING`` bulk groups are in flight in each lane (the older reduces, issued by whichever
-    lane was elected, have landed), meet at a warp barrier, then lane 0 adds 1 to counter ``ptrs`` with release
-    order."""
-    gl.inline_asm_elementwise(_release_asm(PENDING), "=r,l,r", [ptrs, lane], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.constexpr_function
-def _release_asm(pending):
-    return ("{ .reg .pred p; cp.async.bulk.wait_group " + str(pending) + "; bar.warp.sync -1; fence.proxy.async.global; "
-            "setp.eq.s32 p, $2, 0;\n\t@p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }")
+def _release(ptrs, lane):
+    """Wait until no bulk group is in flight in each lane (the reduces, issued by whichever lane was elected, have
+    landed), meet at a warp barrier, then lane 0 adds 1 to counter ``ptrs`` with release order."""
+    gl.inline_asm_elementwise("{ .reg .pred p; cp.async.bulk.wait_group 0; bar.warp.sync -1; "
+                              "fence.proxy.async.global; setp.eq.s32 p, $2, 0;\n\t"
+                              "@p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }",
+                              "=r,l,r", [ptrs, lane], dtype=gl.int32, is_pure=False, pack=1)
 
 
 def descriptors(q, k, v, do, dk, dv, tile) -> tuple:
@@ -575,14 +572,18 @@ def _placeholder(rows: int, d: int, device):
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None,
                 dq_sem=None):
     """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
-    and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (last dim contiguous). A
-    ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Sq rounded up to the row
-    tile, Hq, D]``, contiguous, zeroed by the caller); a ``dq_ordered`` one adds in a fixed order, counting the adds
-    in ``dq_sem`` (int32 ``[B, Hq, row tiles]``, zeroed). Returns ``(grid, Relaunch or None)``: with ``keep``, the
+    and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (any float dtype, last dim
+    contiguous; by TMA stores where ``stores_by_tma``, else from registers). A ``fused_dq`` tile also adds dS K (dQ
+    without the scale) into ``dq_acc`` (float32 ``[B, Sq rounded up to the row tile, Hq, D]``, contiguous, zeroed by
+    the caller); a ``dq_ordered`` one adds in a fixed order, counting the adds in ``dq_sem`` (int32 ``[B, Hq, row
+    tiles]``, zeroed). Returns ``(grid, Relaunch or None)``: with ``keep``, the
     launch kept for repeats with new arrays (``descriptors(q, k, v, do, dk, dv, tile), lse, delta, dk, dv,
     dq_descriptor(dq_acc, ...), semaphores(dq_sem, ...)``, placeholders where not fused or not ordered)."""
     if q.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"q: the Hopper dK/dV kernel is built for head dims {HEAD_DIMS}, not {q.shape[-1]}")
+    for name, x in (("dk", dk), ("dv", dv)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name}: the kernel writes rows of a contiguous last dim, not stride {x.stride(-1)}")
     split = q.shape[-1] > 128  # d = 256: both warpgroups on 64 keys, each with half of dK's and dV's columns
     keys = KEYS_PER_WARPGROUP if split else 2 * KEYS_PER_WARPGROUP
     if tile.block_m != 64 or tile.block_n != keys or tile.num_warps != 4:
