@@ -9,9 +9,10 @@ Read top-down: three kernels, then the launcher.
    need no atomics and no per-head copies.
 3. ``attention_bwd_dq_kernel``: a program owns ``BLOCK_M`` packed query rows, as in the forward, and loops over keys.
 
-These kernels use no atomics, so their results are bitwise reproducible. (On sm_90 a call with
-``deterministic=False`` may instead take the Gluon dK/dV kernel with dQ fused into it, ``fused_dq``: its dQ tiles
-are added into a float32 accumulator by TMA reduce-adds in no fixed order; ``bwd_config`` says where.) Rows use the forward's packing: row ``r`` is
+These kernels use no atomics, so their results are bitwise reproducible. (On sm_90 a call may instead take the Gluon
+dK/dV kernel with dQ fused into it, ``fused_dq``: its dQ tiles are added into a float32 accumulator by TMA
+reduce-adds, in no fixed order where ``deterministic=False``, or in a fixed one, ``dq_ordered``, which keeps dQ
+bitwise reproducible; ``bwd_config`` says where.) Rows use the forward's packing: row ``r`` is
 query ``r // GROUP`` of head ``kv_head · GROUP + r % GROUP``. Scores are in the log2 domain (``qk_scale`` holds
 ``scale · log2 e`` and lse is converted once on load); a row with ``lse = -inf`` saw no key and gets ``P = 0``.
 

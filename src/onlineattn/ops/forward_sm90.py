@@ -226,14 +226,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
 def _first_block(rings, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout: gl.constexpr):
     """A program's first tile: wait for its Q and first K block, run QKᵀ and the block's softmax from an empty state.
     Returns (p, m, l); P·V follows in ``_blocks`` or the hand-over."""
-    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
-    slot = n % tile.Q_STAGES
-    stage = it % tile.STAGES
-    s = _first_qk(q_smem, k_smem, q_ready, k_ready, slot, n, stage, it, tile, s_layout)
-    s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(stage), count=1)
-    mbarrier.arrive(q_empty.index(slot), count=1, pred=n_blocks == 1)
-    return _fresh_softmax(s, row0, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
+    s = _first_qk(rings, n, it, tile, s_layout)
+    return _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
 
 
 @gluon.jit
@@ -285,28 +279,37 @@ def _handover(rings, out, p, m_i, l_i, acc, last, n, off_b, off_h, row0, next_ro
     next tile's (p, m, l). (Issuing the QKᵀ after the output instead read the same or up to 4 % slower, NOTES v14.)"""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
     acc, p_op = _last_pv(rings, p, acc, last, tile, o_layout)
-    slot = n % tile.Q_STAGES
-    stage = (last + 1) % tile.STAGES
-    s = _first_qk(q_smem, k_smem, q_ready, k_ready, slot, n, stage, last + 1, tile, s_layout)
+    s = _first_qk(rings, n, last + 1, tile, s_layout)
     acc, p_op = warpgroup_mma_wait(1, deps=(acc, p_op))  # the P·V, issued first, is done; the QKᵀ may still run
     mbarrier.arrive(v_empty.index(last % tile.STAGES), count=1)
     _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout, o_layout)
-    s = warpgroup_mma_wait(0, deps=(s,))
-    mbarrier.arrive(k_empty.index(stage), count=1)
-    mbarrier.arrive(q_empty.index(slot), count=1, pred=next_blocks == 1)
     o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q = out
-    return _fresh_softmax(s, next_row0, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
+    return _first_softmax(rings, s, n, last + 1, next_row0, next_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
 
 
 @gluon.jit
-def _first_qk(q_smem, k_smem, q_ready, k_ready, slot, n, stage, it, tile, s_layout: gl.constexpr):
-    """Issue a tile's first QKᵀ (the run's ``n``-th tile, in Q buffer ``slot``; its first key block the ring's
-    ``it``, in ``stage``) once Q and K have landed, without waiting for it."""
+def _first_qk(rings, n, it, tile, s_layout: gl.constexpr):
+    """Issue a tile's first QKᵀ (the run's ``n``-th tile; its first key block the ring's ``it``) once Q and K have
+    landed, without waiting for it."""
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
+    slot = n % tile.Q_STAGES
+    stage = it % tile.STAGES
     mbarrier.wait(q_ready.index(slot), (n // tile.Q_STAGES) & 1)
     mbarrier.wait(k_ready.index(stage), (it // tile.STAGES) & 1)
     k_t = k_smem.index(stage).reshape([tile.BLOCK_N, tile.HEAD_DIM]).permute((1, 0))
     return warpgroup_mma(_q_rows(q_smem, slot, tile), k_t, gl.zeros([64, tile.BLOCK_N], gl.float32, layout=s_layout),
                          use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout: gl.constexpr):
+    """Wait for a tile's first QKᵀ (``_first_qk``), release its K block (and its Q when it is the tile's only block),
+    and run that block's softmax from an empty state -> (p, m, l)."""
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
+    s = warpgroup_mma_wait(0, deps=(s,))
+    mbarrier.arrive(k_empty.index(it % tile.STAGES), count=1)
+    mbarrier.arrive(q_empty.index(n % tile.Q_STAGES), count=1, pred=n_blocks == 1)
+    return _fresh_softmax(s, row0, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
 
 
 @gluon.jit
