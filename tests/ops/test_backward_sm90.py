@@ -339,8 +339,8 @@ def test_table_fused_dq_follows_the_call(monkeypatch):
 @sm90
 def test_attention_deterministic_false_takes_the_fused_dq(monkeypatch):
     """End to end: ``onlineattn.attention(..., deterministic=False)`` with autograd launches the fused kernel at
-    d = 128 from BWD_FUSED_DQ_MIN_KEYS with its adds in any order; the default call below BWD_ORDERED_DQ_MIN_KEYS the
-    deterministic Gluon dK/dV kernel beside the dQ kernel (dK and dV bitwise equal, dQ within the summation order;
+    d = 128 from BWD_FUSED_DQ_MIN_KEYS with its adds in any order; the default call from BWD_ORDERED_DQ_MIN_KEYS the
+    same kernel with its adds in a fixed order (dK and dV bitwise equal, dQ within the summation order;
     test_matches_oracle holds every path to the §3 rule)."""
     import onlineattn
     from onlineattn.ops import backward_sm90
@@ -349,8 +349,7 @@ def test_attention_deterministic_false_takes_the_fused_dq(monkeypatch):
     start = backward_sm90.start
     monkeypatch.setattr(backward_sm90, "start",
                         lambda *a, **kw: fused.append((kw["FUSED_DQ"], kw["ORDERED"])) or start(*a, **kw))
-    n = max(BWD_FUSED_DQ_MIN_KEYS[128][True], BWD_WS_MIN_KEYS[128][True])
-    assert n < BWD_ORDERED_DQ_MIN_KEYS[128][True]
+    n = max(BWD_FUSED_DQ_MIN_KEYS[128][True], BWD_ORDERED_DQ_MIN_KEYS[128][True])
     g = torch.Generator().manual_seed(13)
     base = [torch.randn(1, n, 2, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(4)]
     grads = {}
@@ -358,7 +357,7 @@ def test_attention_deterministic_false_takes_the_fused_dq(monkeypatch):
         q, k, v = (x.clone().requires_grad_() for x in base[:3])
         onlineattn.attention(q, k, v, causal=True, deterministic=deterministic).backward(base[3])
         grads[deterministic] = (q.grad, k.grad, v.grad)
-    assert fused == [(True, False), (False, False)]
+    assert fused == [(True, False), (True, True)]
     assert torch.equal(grads[False][1], grads[True][1]) and torch.equal(grads[False][2], grads[True][2])
     torch.testing.assert_close(grads[False][0], grads[True][0], rtol=2**-6, atol=2**-10)
 

@@ -294,8 +294,12 @@ BWD_FUSED_DQ_MIN_KEYS = {64: (16384, 16384), 128: (1024, 2048)}
 #   - d = 64: non-causal lost (spread starts 293 / 389-391 / 302 at N = 1024 / 4096 / 16384 against 321-330 /
 #     383-389 / 398-403); causal led at 16384 only (398-401 against 376).
 #   The unordered fused tile stays ahead (d = 128 non-causal 16384: 520-523): the ordered adds wait on each other.
+# - Session 22 (NOTES v14; the writer raises a tile's counter once its adds land; dK/dV by TMA stores), d = 128,
+#   causal N = 2048 / 4096 / 8192 / 16384: ordered 367-372 / 425-428 / 461 / 480-486 against Gluon dK/dV + Triton
+#   dQ 338-344 / 383-389 / 417-420 / 423-445 (fused, unordered: 395-399 / 452-454 / 497-504 / 530-532). So causal
+#   from 2048 too.
 #   So deterministic calls take it from these lengths (None: never).
-BWD_ORDERED_DQ_MIN_KEYS = {64: (None, 16384), 128: (2048, 8192)}
+BWD_ORDERED_DQ_MIN_KEYS = {64: (None, 16384), 128: (2048, 2048)}
 
 
 def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *,
