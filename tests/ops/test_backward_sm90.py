@@ -16,7 +16,8 @@ from onlineattn._mods import PLAIN
 from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import (
-    _BWD_WS_DKDV, BWD_FUSED_DQ_MIN_KEYS, BWD_ORDERED_DQ_MIN_KEYS, BWD_WS_MIN_KEYS, bwd_config,
+    _BWD_WS_DKDV, BWD_FUSED_DQ_MIN_KEYS, BWD_ORDERED_DQ_MIN_KEYS, BWD_ORDERED_LAST_BLOCK_FIRST, BWD_WS_MIN_KEYS,
+    bwd_config,
 )
 from tests.ops.test_backward import _baseline_grads
 
@@ -74,14 +75,15 @@ def test_table_orders_the_fused_dq_for_deterministic_calls():
     pick = lambda d=128, causal=False, n=16384, m=None, **kw: bwd_config(  # noqa: E731
         d, d, torch.bfloat16, "cuda", causal=causal, seqlen_q=n if m is None else m, seqlen_k=n,
         **{"ws_ok": True, "ordered_blocks": 132, **kw})
-    assert set(BWD_ORDERED_DQ_MIN_KEYS) == {64, 128}
+    assert set(BWD_ORDERED_DQ_MIN_KEYS) == set(BWD_ORDERED_LAST_BLOCK_FIRST) == {64, 128}
     for d, lengths in BWD_ORDERED_DQ_MIN_KEYS.items():
         for causal in (False, True):
             least = lengths[causal]
             if least is None:  # never: deterministic calls keep the dQ kernel
                 assert not pick(d, causal=causal, n=16384).dkdv.fused_dq
                 continue
-            assert pick(d, causal=causal, n=least).dkdv == replace(_BWD_WS_DKDV[d], fused_dq=True, dq_ordered=True)
+            assert pick(d, causal=causal, n=least).dkdv == replace(
+                _BWD_WS_DKDV[d], fused_dq=True, dq_ordered=True, last_block_first=BWD_ORDERED_LAST_BLOCK_FIRST[d])
             assert pick(d, causal=causal, n=least, deterministic=False).dkdv == replace(_BWD_WS_DKDV[d], fused_dq=True)
             for kept in (pick(d, causal=causal, n=least - 1), pick(d, causal=causal, n=least, m=least - 1),
                          pick(d, causal=causal, n=least, ordered_blocks=0),
@@ -151,7 +153,8 @@ def test_dk_dv_leave_by_tma_where_they_can():
 
 def test_ordered_tile_is_refused_where_it_cannot_run(monkeypatch):
     """dq_ordered needs fused_dq and the int32 counters (and only it takes them, of the right shape), and no more
-    key blocks per (batch, kv head) than the device runs at once (ValueError naming the argument)."""
+    key blocks per (batch, kv head) than the device runs at once; last_block_first needs dq_ordered (ValueError
+    naming the argument)."""
     from onlineattn.ops import backward_sm90
 
     q, k, v, do = (torch.randn(1, 300, 2, 128, dtype=torch.bfloat16) for _ in range(4))
@@ -162,6 +165,8 @@ def test_ordered_tile_is_refused_where_it_cannot_run(monkeypatch):
                                                           **kw)
     with pytest.raises(ValueError, match="config: dq_ordered orders a fused_dq"):
         launch(replace(_BWD_WS_DKDV[128], dq_ordered=True), dq_sem=sem)
+    with pytest.raises(ValueError, match="config: last_block_first orders a dq_ordered"):
+        launch(replace(_BWD_WS_DKDV[128], fused_dq=True, last_block_first=True), dq_acc=acc)
     with pytest.raises(ValueError, match="dq_sem"):
         launch(ordered, dq_acc=acc)
     with pytest.raises(ValueError, match="dq_sem"):
@@ -175,6 +180,9 @@ def test_ordered_tile_is_refused_where_it_cannot_run(monkeypatch):
                     dkdv=replace(bwd_config(128, 128, torch.bfloat16, "cuda").dkdv, dq_ordered=True))
     with pytest.raises(ValueError, match="config: dq_ordered orders a fused_dq"):  # a Triton tile: refused too
         B.backward(do, q, k, v, torch.randn_like(q), lse, 0.1, False, config=loose)
+    unordered = replace(loose, dkdv=replace(loose.dkdv, dq_ordered=False, last_block_first=True))
+    with pytest.raises(ValueError, match="config: last_block_first orders a dq_ordered"):
+        B.backward(do, q, k, v, torch.randn_like(q), lse, 0.1, False, config=unordered)
     cfg = replace(bwd_config(128, 128, torch.bfloat16, "cuda"), dkdv=ordered)  # deterministic calls may take it; on
     with pytest.raises(ValueError, match="config: a gluon dK/dV tile runs only"):  # the CPU no gluon tile runs
         B.backward(do, q, k, v, torch.randn_like(q), lse, 0.1, False, config=cfg)
@@ -375,8 +383,9 @@ def test_ordered_dq_is_bitwise_reproducible(shape, causal):
     lengths and Sq != Sk
     (causal: several key blocks then see the first row tile, their adds ordered among themselves; non-causal: key
     blocks start a non-power-of-two number of tiles apart), and stays within the summation order of the dQ kernel's
-    result; causal dK and dV are that kernel's bitwise (the same sums in the same order, the programs launched in
-    reverse), non-causal ones within their summation order (each key block's row tiles in rotated order)."""
+    result; causal dK and dV are that kernel's bitwise (the same sums in the same order), non-causal ones within
+    their summation order (each key block's row tiles in rotated order). Causal programs launched last key block
+    first (``last_block_first``) give the same bits as launched block 0 first: the launch order moves no add."""
     b, sq, sk, hq, hkv, d = shape
     g = torch.Generator().manual_seed(sq + sk + causal)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", torch.bfloat16)
@@ -385,6 +394,9 @@ def test_ordered_dq_is_bitwise_reproducible(shape, causal):
     base = bwd_config(d, d, torch.bfloat16, "cuda", causal=causal)
     ordered = replace(base, dkdv=replace(_BWD_WS_DKDV[d], fused_dq=True, dq_ordered=True))
     runs = [B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=ordered) for _ in range(4)]
+    if causal:
+        runs.append(B.backward(do, q, k, v, o, lse, d**-0.5, causal,
+                               config=replace(ordered, dkdv=replace(ordered.dkdv, last_block_first=True))))
     for again in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], again))
     kernel = B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=replace(base, dkdv=_BWD_WS_DKDV[d]))

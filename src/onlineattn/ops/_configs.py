@@ -195,6 +195,7 @@ class BwdTile:
     #                         not deterministic, unless dq_ordered), and no dQ kernel runs
     dq_ordered: bool = False  # fused_dq only: the adds go in a fixed order (per-tile counters, a writer warp), so dQ
     #                           is deterministic; needs every key block of a (batch, kv head) resident at once
+    last_block_first: bool = False  # dq_ordered only: causal programs launch from the last key block (block 0 last)
 
 
 @dataclass(frozen=True)
@@ -281,7 +282,10 @@ BWD_WS_MIN_KEYS = {64: (512, 1024), 128: (512, 4096), 256: (512, 512)}
 #   causal 1024 it tied the Triton dK/dV tile that runs there otherwise: bench 265-268 against 267-271), d = 64 from
 #   16384 (both masks). Below BWD_WS_MIN_KEYS too, where the Triton dK/dV tile would run otherwise. v2 (atomics in place of the TMA
 #   reduces) lost everywhere (d = 128 N = 16384: 444 against 462).
-BWD_FUSED_DQ_MIN_KEYS = {64: (16384, 16384), 128: (1024, 2048)}
+#   Session 23 (.devrun/bsweep7.py, two passes), d = 64 causal N = 1024 / 2048 / 4096 / 8192 / 16384: fused 237-239 /
+#   304-305 / 355-356 / 389-391 / 416-417 against Gluon dK/dV + Triton dQ 252-254 / 305-311 / 343-350 / 368-376 /
+#   384-389; so d = 64 causal from 4096.
+BWD_FUSED_DQ_MIN_KEYS = {64: (16384, 4096), 128: (1024, 2048)}
 # - The ordered fused dQ (session 21, NOTES v13): the same kernel with a writer warp that adds each dQ tile after the
 #   adds that precede it in a fixed order (per-tile counters), so dQ is bitwise reproducible and deterministic calls
 #   can take it. Non-causal key blocks start their row tiles spread apart (a tile's adds come steps apart); causal
@@ -299,7 +303,18 @@ BWD_FUSED_DQ_MIN_KEYS = {64: (16384, 16384), 128: (1024, 2048)}
 #   dQ 338-344 / 383-389 / 417-420 / 423-445 (fused, unordered: 395-399 / 452-454 / 497-504 / 530-532). So causal
 #   from 2048 too.
 #   So deterministic calls take it from these lengths (None: never).
-BWD_ORDERED_DQ_MIN_KEYS = {64: (None, 16384), 128: (2048, 2048)}
+# - Session 23 (NOTES v15): causal launch order. Each (batch, kv head)'s programs launched last key block first
+#   (adds wait only on programs launched earlier) against block 0 first (as the unordered tile; adds may wait on
+#   programs launched later, all resident), .devrun/bsweep7.py, one GPU, two passes, causal N = 1024 / 2048 / 4096
+#   / 8192 / 16384:
+#   - d = 128, block 0 first: 281 / 376-379 / 437-445 / 483-487 / 497-499 against last first 283 / 362-371 /
+#     419-420 / 465-469 / 486-488 (the default route, Gluon dK/dV + Triton dQ: 279-281 / 339-346 / 383-392 /
+#     417-424 / 437-448);
+#   - d = 64, last first: 221-222 / 295 / 353 / 393 / 409-412 against block 0 first 218-219 / 289 / 347 / 382-385
+#     / 387 (the default route: 254 / 305-311 / 345-350 / 368-376 / 384-389).
+#   So d = 64 keeps the last-first launch and takes the ordered tile from causal 4096 (was 16384).
+BWD_ORDERED_DQ_MIN_KEYS = {64: (None, 4096), 128: (2048, 2048)}
+BWD_ORDERED_LAST_BLOCK_FIRST = {64: True, 128: False}
 
 
 def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *,
@@ -325,7 +340,8 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
     ordered_from = BWD_ORDERED_DQ_MIN_KEYS.get(head_dim, (None, None))[causal]
     if (deterministic and ordered_from is not None and shortest >= ordered_from
             and -(-seqlen_k // ws.block_n) <= ordered_blocks):
-        return replace(cfg, dkdv=replace(ws, fused_dq=True, dq_ordered=True))
+        return replace(cfg, dkdv=replace(ws, fused_dq=True, dq_ordered=True,
+                                         last_block_first=BWD_ORDERED_LAST_BLOCK_FIRST[head_dim]))
     return cfg if shortest < BWD_WS_MIN_KEYS[head_dim][causal] else replace(cfg, dkdv=ws)
 
 

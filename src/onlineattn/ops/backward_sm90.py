@@ -66,9 +66,10 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
                                    seqlen_q, seqlen_k, heads_kv, qk_scale,
                                    sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-                                   FUSED_DQ: gl.constexpr, ORDERED: gl.constexpr, TMA_OUT: gl.constexpr):
+                                   FUSED_DQ: gl.constexpr, ORDERED: gl.constexpr, TMA_OUT: gl.constexpr,
+                                   LAST_BLOCK_FIRST: gl.constexpr):
     pid_n = gl.program_id(0)
-    if ORDERED and CAUSAL:  # the last key blocks first: a tile's causal adds come from them first (_turn)
+    if LAST_BLOCK_FIRST:  # ORDERED causal: a tile's adds come from the last key blocks first (_turn)
         pid_n = gl.num_programs(0) - 1 - pid_n
     pid_bh = gl.program_id(1)
     off_b = pid_bh // heads_kv
@@ -466,9 +467,10 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqle
     dQ is bitwise reproducible. An add waits on its own program's earlier adds and on the adds at the same tile with
     an earlier turn, which ``_turn`` puts at earlier steps (or, at the same step, on the blocks before it): that order
     has no cycle, so every chain of waits ends. (Raising a tile's counter only after the next tile's turn, as before
-    NOTES v14, also made the chains cross tiles.) Non-causal key blocks wait on blocks launched after them, so all of
-    a (batch, kv head)'s blocks must be resident at once: ``launch_dkdv`` takes no more of them than the device has
-    SMs (``ordered_blocks``). Causal ones wait only on blocks launched before them."""
+    NOTES v14, also made the chains cross tiles.) Key blocks may wait on blocks launched after them (non-causal, and
+    causal ones launched block 0 first), so all of a (batch, kv head)'s blocks must be resident at once:
+    ``launch_dkdv`` takes no more of them than the device has SMs (``ordered_blocks``). Causal ones launched last
+    block first (``LAST_BLOCK_FIRST``) wait only on blocks launched before them."""
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     HALF_D: gl.constexpr = tile.HEAD_DIM // 2
     lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
@@ -503,11 +505,11 @@ def _turn(tile_of, mt, pid_n, n_tiles, seqlen_q, seqlen_k, tile):
       a + 1, so j's turn is (a - j) mod K. Each waits on an add made at least s >= 2 steps earlier. With s = 0 every
       block starts at the first tile and the adds go by block, each waiting on the block before at the same step:
       the chain ends at block 0.
-    - Causal programs launch from the last key block (the kernel reverses the grid), which sees the fewest rows. A
-      row tile's adds go from the block on its diagonal back to block 0: each block reaches the tile no earlier in
-      its own loop than the block after it (later by its group's row tiles, or at the same step where several blocks
-      start at row 0 when Sk > Sq), and waits only on blocks after it, launched before it. The chain ends at the
-      last block that sees the tile."""
+    - Causal: a row tile's adds go from the block on its diagonal back to block 0: each block reaches the tile no
+      earlier in its own loop than the block after it (two steps later or more, or at the same step where several
+      blocks start at row 0 when Sk > Sq), and waits only on blocks after it. The chain ends at the last block that sees
+      the tile. With ``LAST_BLOCK_FIRST`` those blocks launched first; otherwise block 0, the longest, launches
+      first, and a block launched up to two steps before the next one still seldom stalls."""
     blocks = gl.cdiv(seqlen_k, tile.BLOCK_N)
     if tile.CAUSAL:
         # key blocks j > pid_n whose first visible row tile (max(j·BLOCK_N - (Sk - Sq), 0) // BLOCK_M) is <= mt
@@ -595,6 +597,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
         raise ValueError("dq_acc: a fused_dq tile needs the float32 dQ accumulator, and only it takes one")
     if tile.dq_ordered and not tile.fused_dq:
         raise ValueError("config: dq_ordered orders a fused_dq tile's adds")
+    if tile.last_block_first and not tile.dq_ordered:
+        raise ValueError("config: last_block_first orders a dq_ordered tile's launch")
     if tile.dq_ordered != (dq_sem is not None):
         raise ValueError("dq_sem: a dq_ordered tile needs the int32 counters, and only it takes them")
     if delta.stride() != lse.stride():
@@ -625,6 +629,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
         sq, sk, hkv, scale * LOG2E, scale,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
         GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, ORDERED=tile.dq_ordered, TMA_OUT=stores_by_tma(q, dk, dv, tile),
+        LAST_BLOCK_FIRST=tile.last_block_first and causal,
         num_warps=4,
     )
     return grid, kept
