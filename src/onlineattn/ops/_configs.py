@@ -284,8 +284,10 @@ BWD_WS_MIN_KEYS = {64: (512, 1024), 128: (512, 4096), 256: (512, 512)}
 #   reduces) lost everywhere (d = 128 N = 16384: 444 against 462).
 #   Session 23 (.devrun/bsweep7.py, two passes), d = 64 causal N = 1024 / 2048 / 4096 / 8192 / 16384: fused 237-239 /
 #   304-305 / 355-356 / 389-391 / 416-417 against Gluon dK/dV + Triton dQ 252-254 / 305-311 / 343-350 / 368-376 /
-#   384-389; so d = 64 causal from 4096.
-BWD_FUSED_DQ_MIN_KEYS = {64: (16384, 4096), 128: (1024, 2048)}
+#   384-389; so d = 64 causal from 4096. Non-causal (.devrun/bsweep8.py) N = 1024 / 2048 / 4096 / 8192 / 16384:
+#   fused 332-335 / 381-382 / 401-406 / 426-427 / 432-435 against 336-344 / 368 / 377-382 / 388-390 / 391-396;
+#   so d = 64 non-causal from 2048.
+BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 4096), 128: (1024, 2048)}
 # - The ordered fused dQ (session 21, NOTES v13): the same kernel with a writer warp that adds each dQ tile after the
 #   adds that precede it in a fixed order (per-tile counters), so dQ is bitwise reproducible and deterministic calls
 #   can take it. Non-causal key blocks start their row tiles spread apart (a tile's adds come steps apart); causal
@@ -312,8 +314,11 @@ BWD_FUSED_DQ_MIN_KEYS = {64: (16384, 4096), 128: (1024, 2048)}
 #     417-424 / 437-448);
 #   - d = 64, last first: 221-222 / 295 / 353 / 393 / 409-412 against block 0 first 218-219 / 289 / 347 / 382-385
 #     / 387 (the default route: 254 / 305-311 / 345-350 / 368-376 / 384-389).
-#   So d = 64 keeps the last-first launch and takes the ordered tile from causal 4096 (was 16384).
-BWD_ORDERED_DQ_MIN_KEYS = {64: (None, 4096), 128: (2048, 2048)}
+#   So d = 64 keeps the last-first launch and takes the ordered tile from causal 4096 (was 16384). And d = 64
+#   non-causal (.devrun/bsweep8.py, the writer as of session 22), ordered N = 1024 / 2048 / 4096 / 8192 / 16384:
+#   303-305 / 359 / 394 / 415-416 / 424-427 against the default route's 336-344 / 368 / 377-382 / 388-390 / 391-396:
+#   from 4096 (it had lost in session 21, before the eager writer).
+BWD_ORDERED_DQ_MIN_KEYS = {64: (4096, 4096), 128: (2048, 2048)}
 BWD_ORDERED_LAST_BLOCK_FIRST = {64: True, 128: False}
 
 
