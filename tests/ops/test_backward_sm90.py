@@ -47,7 +47,7 @@ def test_table_routes_plain_half_d64_d128_d256():
     assert not pick(dtype=torch.float32).dkdv.gluon
 
 
-def test_table_fuses_dq_only_where_allowed():
+def test_table_fuses_dq_only_where_allowed(monkeypatch):
     """dQ fused into the Gluon kernel from BWD_FUSED_DQ_MIN_KEYS rows and keys (per head dim and mask; below
     BWD_WS_MIN_KEYS too), only when the call allows any summation order (``deterministic=False``); never below those
     lengths, without ws_ok, or with deterministic=True (the default)."""
@@ -64,7 +64,9 @@ def test_table_fuses_dq_only_where_allowed():
                          pick(d, causal=causal, n=least - 1, deterministic=False),
                          pick(d, causal=causal, n=least, m=least - 1, deterministic=False)):
                 assert not kept.dkdv.fused_dq
-    assert BWD_FUSED_DQ_MIN_KEYS[128][True] < BWD_WS_MIN_KEYS[128][True]  # fused where the Triton tile runs otherwise
+    monkeypatch.setitem(BWD_WS_MIN_KEYS, 128, (4096, 4096))  # fused where the Triton tile would run otherwise
+    assert pick(n=1024, deterministic=False).dkdv == replace(_BWD_WS_DKDV[128], fused_dq=True)
+    assert not pick(n=1024).dkdv.gluon
     assert not pick(ws_ok=False, deterministic=False).dkdv.gluon
 
 

@@ -264,7 +264,10 @@ _BWD_FP32_D256 = BwdConfig(BwdTile(16, 16, 4, 1), BwdTile(16, 16, 4, 1))
 #   at N = 8192 non-causal (about 580 TFLOP/s executed). So it runs from 512 at d = 256, both masks.
 _BWD_WS_DKDV = {64: BwdTile(64, 128, 4, 2, tma=True, gluon=True), 128: BwdTile(64, 128, 4, 2, tma=True, gluon=True),
                 256: BwdTile(64, 64, 4, 2, tma=True, gluon=True)}
-BWD_WS_MIN_KEYS = {64: (512, 1024), 128: (512, 4096), 256: (512, 512)}
+#   Session 23 (.devrun/bsweep9.py, two passes, with the TMA stores of NOTES v14), causal N = 512: d = 64 180-182
+#   against the Triton tile's 172, d = 128 197-198 against 193-194; at causal 1024 d = 128 274-278 against 267-270. So
+#   from 512 at every head dim, both masks.
+BWD_WS_MIN_KEYS = {64: (512, 512), 128: (512, 512), 256: (512, 512)}
 # - dQ fused into the Gluon dK/dV kernel (session 20, branch ws-fused-dq v3; the NOTES' v12): per row tile each
 #   warpgroup computes dQ's half of the columns from both warpgroups' dSᵀ (shared memory) one row tile behind, and
 #   adds it into a float32 accumulator by TMA reduce-add; no dQ kernel, so no recomputed QKᵀ and dO·Vᵀ (5 matmuls,
@@ -286,8 +289,10 @@ BWD_WS_MIN_KEYS = {64: (512, 1024), 128: (512, 4096), 256: (512, 512)}
 #   304-305 / 355-356 / 389-391 / 416-417 against Gluon dK/dV + Triton dQ 252-254 / 305-311 / 343-350 / 368-376 /
 #   384-389; so d = 64 causal from 4096. Non-causal (.devrun/bsweep8.py) N = 1024 / 2048 / 4096 / 8192 / 16384:
 #   fused 332-335 / 381-382 / 401-406 / 426-427 / 432-435 against 336-344 / 368 / 377-382 / 388-390 / 391-396;
-#   so d = 64 non-causal from 2048.
-BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 4096), 128: (1024, 2048)}
+#   so d = 64 non-causal from 2048. And d = 128 (.devrun/bsweep9.py) at N = 512 / 1024: causal 206-207 / 296-303
+#   against the table's Triton dK/dV tile 193-194 / 267-270; non-causal 310-313 / 390-391 against Gluon dK/dV's 303-308
+#   / 364-372: from 512 at d = 128.
+BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 4096), 128: (512, 512)}
 # - The ordered fused dQ (session 21, NOTES v13): the same kernel with a writer warp that adds each dQ tile after the
 #   adds that precede it in a fixed order (per-tile counters), so dQ is bitwise reproducible and deterministic calls
 #   can take it. Non-causal key blocks start their row tiles spread apart (a tile's adds come steps apart); causal
@@ -317,8 +322,10 @@ BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 4096), 128: (1024, 2048)}
 #   So d = 64 keeps the last-first launch and takes the ordered tile from causal 4096 (was 16384). And d = 64
 #   non-causal (.devrun/bsweep8.py, the writer as of session 22), ordered N = 1024 / 2048 / 4096 / 8192 / 16384:
 #   303-305 / 359 / 394 / 415-416 / 424-427 against the default route's 336-344 / 368 / 377-382 / 388-390 / 391-396:
-#   from 4096 (it had lost in session 21, before the eager writer).
-BWD_ORDERED_DQ_MIN_KEYS = {64: (4096, 4096), 128: (2048, 2048)}
+#   from 4096 (it had lost in session 21, before the eager writer). d = 128 at N = 1024 (.devrun/bsweep9.py):
+#   ordered 390-392 non-causal and 282-283 causal against Gluon dK/dV + Triton dQ 364-372 / 274-278 (at 512: 302-304
+#   / 188 against 303-308 / 197-198): from 1024.
+BWD_ORDERED_DQ_MIN_KEYS = {64: (4096, 4096), 128: (1024, 1024)}
 BWD_ORDERED_LAST_BLOCK_FIRST = {64: True, 128: False}
 
 
