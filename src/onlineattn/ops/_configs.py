@@ -286,7 +286,7 @@ BWD_WS_MIN_KEYS = {64: (512, 512), 128: (512, 512), 256: (512, 512)}
 #   16384 (both masks). Below BWD_WS_MIN_KEYS too, where the Triton dK/dV tile would run otherwise. v2 (atomics in place of the TMA
 #   reduces) lost everywhere (d = 128 N = 16384: 444 against 462).
 #   Session 23 (.devrun/bsweep7.py, two passes), d = 64 causal N = 1024 / 2048 / 4096 / 8192 / 16384: fused 237-239 /
-#   304-305 / 355-356 / 389-391 / 416-417 against Gluon dK/dV + Triton dQ 252-254 / 305-311 / 343-350 / 368-376 /
+#   304-305 / 355-357 / 389-391 / 416-417 against Gluon dK/dV + Triton dQ 252-254 / 305-311 / 343-350 / 368-376 /
 #   384-389; so d = 64 causal from 4096. Non-causal (.devrun/bsweep8.py) N = 1024 / 2048 / 4096 / 8192 / 16384:
 #   fused 332-335 / 381-382 / 401-406 / 426-427 / 432-435 against 336-344 / 368 / 377-382 / 388-390 / 391-396;
 #   so d = 64 non-causal from 2048. And d = 128 (.devrun/bsweep9.py) at N = 512 / 1024: causal 206-207 / 296-303
@@ -315,10 +315,10 @@ BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 4096), 128: (512, 512)}
 #   programs launched later, all resident), .devrun/bsweep7.py, one GPU, two passes, causal N = 1024 / 2048 / 4096
 #   / 8192 / 16384:
 #   - d = 128, block 0 first: 281 / 376-379 / 437-445 / 483-487 / 497-499 against last first 283 / 362-371 /
-#     419-420 / 465-469 / 486-488 (the default route, Gluon dK/dV + Triton dQ: 279-281 / 339-346 / 383-392 /
+#     419-420 / 465-469 / 486-488 (the default route, Gluon dK/dV + Triton dQ: 279-282 / 339-350 / 383-392 /
 #     417-424 / 437-448);
 #   - d = 64, last first: 221-222 / 295 / 353 / 393 / 409-412 against block 0 first 218-219 / 289 / 347 / 382-385
-#     / 387 (the default route: 254 / 305-311 / 345-350 / 368-376 / 384-389).
+#     / 387 (the default route: 252-254 / 305-311 / 343-350 / 368-376 / 384-389).
 #   So d = 64 keeps the last-first launch and takes the ordered tile from causal 4096 (was 16384). And d = 64
 #   non-causal (.devrun/bsweep8.py, the writer as of session 22), ordered N = 1024 / 2048 / 4096 / 8192 / 16384:
 #   303-305 / 359 / 394 / 415-416 / 424-427 against the default route's 336-344 / 368 / 377-382 / 388-390 / 391-396:
