@@ -16,8 +16,8 @@ from onlineattn._mods import PLAIN
 from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import (
-    _BWD_WS_DKDV, BWD_FUSED_DQ_MIN_KEYS, BWD_ORDERED_DQ_MIN_KEYS, BWD_ORDERED_LAST_BLOCK_FIRST, BWD_WS_MIN_KEYS,
-    bwd_config,
+    _BWD_WS_DKDV, BWD_FUSED_DQ_MIN_KEYS, BWD_FUSED_DQ_ROWS, BWD_ORDERED_DQ_MIN_KEYS, BWD_ORDERED_LAST_BLOCK_FIRST,
+    BWD_WS_MIN_KEYS, bwd_config, fused_dq_tile,
 )
 from tests.ops.test_backward import _baseline_grads
 
@@ -58,39 +58,40 @@ def test_table_fuses_dq_only_where_allowed(monkeypatch):
         for causal in (False, True):
             least = lengths[causal]
             fused = pick(d, causal=causal, n=least, deterministic=False)
-            assert fused.dkdv == replace(_BWD_WS_DKDV[d], fused_dq=True)
+            assert fused.dkdv == fused_dq_tile(d) == replace(_BWD_WS_DKDV[d], block_m=BWD_FUSED_DQ_ROWS[d],
+                                                             fused_dq=True)
             assert fused.dq == bwd_config(d, d, torch.bfloat16, "cuda", causal=causal).dq  # unused: no dQ kernel
             for kept in (pick(d, causal=causal, n=least), pick(d, causal=causal, n=least, deterministic=True),
                          pick(d, causal=causal, n=least - 1, deterministic=False),
                          pick(d, causal=causal, n=least, m=least - 1, deterministic=False)):
                 assert not kept.dkdv.fused_dq
     monkeypatch.setitem(BWD_WS_MIN_KEYS, 128, (4096, 4096))  # fused where the Triton tile would run otherwise
-    assert pick(n=1024, deterministic=False).dkdv == replace(_BWD_WS_DKDV[128], fused_dq=True)
+    assert pick(n=1024, deterministic=False).dkdv == fused_dq_tile(128)
     assert not pick(n=1024).dkdv.gluon
     assert not pick(ws_ok=False, deterministic=False).dkdv.gluon
 
 
-def test_table_orders_the_fused_dq_for_deterministic_calls():
+def test_table_orders_the_fused_dq_for_deterministic_calls(monkeypatch):
     """Deterministic calls take the fused kernel with its adds ordered (``dq_ordered``) from
     BWD_ORDERED_DQ_MIN_KEYS rows and keys, where the device runs all of a (batch, kv head)'s key blocks at once
     (``ordered_blocks``); not below those lengths, with more key blocks, or when the device is unknown (0)."""
     pick = lambda d=128, causal=False, n=16384, m=None, **kw: bwd_config(  # noqa: E731
         d, d, torch.bfloat16, "cuda", causal=causal, seqlen_q=n if m is None else m, seqlen_k=n,
         **{"ws_ok": True, "ordered_blocks": 132, **kw})
-    assert set(BWD_ORDERED_DQ_MIN_KEYS) == set(BWD_ORDERED_LAST_BLOCK_FIRST) == {64, 128}
+    assert set(BWD_ORDERED_DQ_MIN_KEYS) == set(BWD_ORDERED_LAST_BLOCK_FIRST) == set(BWD_FUSED_DQ_ROWS) == {64, 128}
     for d, lengths in BWD_ORDERED_DQ_MIN_KEYS.items():
         for causal in (False, True):
             least = lengths[causal]
-            if least is None:  # never: deterministic calls keep the dQ kernel
-                assert not pick(d, causal=causal, n=16384).dkdv.fused_dq
-                continue
-            assert pick(d, causal=causal, n=least).dkdv == replace(
-                _BWD_WS_DKDV[d], fused_dq=True, dq_ordered=True, last_block_first=BWD_ORDERED_LAST_BLOCK_FIRST[d])
-            assert pick(d, causal=causal, n=least, deterministic=False).dkdv == replace(_BWD_WS_DKDV[d], fused_dq=True)
+            assert pick(d, causal=causal, n=least).dkdv == fused_dq_tile(d, ordered=True) == replace(
+                _BWD_WS_DKDV[d], block_m=BWD_FUSED_DQ_ROWS[d], fused_dq=True, dq_ordered=True,
+                last_block_first=BWD_ORDERED_LAST_BLOCK_FIRST[d])
+            assert pick(d, causal=causal, n=least, deterministic=False).dkdv == fused_dq_tile(d)
             for kept in (pick(d, causal=causal, n=least - 1), pick(d, causal=causal, n=least, m=least - 1),
                          pick(d, causal=causal, n=least, ordered_blocks=0),
                          pick(d, causal=causal, n=max(least, 128 * 133), ordered_blocks=132)):
                 assert not kept.dkdv.fused_dq
+    monkeypatch.setitem(BWD_ORDERED_DQ_MIN_KEYS, 64, (None, None))  # None: deterministic calls keep the dQ kernel
+    assert not pick(64, n=16384).dkdv.fused_dq and not pick(64, causal=True, n=16384).dkdv.fused_dq
 
 
 def test_fused_dq_tile_needs_deterministic_false():
@@ -190,6 +191,23 @@ def test_ordered_tile_is_refused_where_it_cannot_run(monkeypatch):
         B.backward(do, q, k, v, torch.randn_like(q), lse, 0.1, False, config=cfg)
 
 
+def test_last_block_first_reaches_the_kernel_under_causal_only(monkeypatch):
+    """launch_dkdv hands the launch order to the kernel (LAST_BLOCK_FIRST) for causal launches only: non-causal
+    programs start their row tiles spread apart, and the flag means nothing there."""
+    from onlineattn.ops import backward_sm90
+
+    seen = []
+    monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: seen.append(kw["LAST_BLOCK_FIRST"]) or (a[2], None))
+    q, k, v, do = (torch.randn(1, 300, 2, 128, dtype=torch.bfloat16) for _ in range(4))
+    lse = torch.randn(1, 2, 300)
+    for causal in (False, True):
+        for first in (False, True):
+            tile = replace(fused_dq_tile(128, ordered=True), last_block_first=first)
+            backward_sm90.launch_dkdv(q, k, v, do, lse, lse, k, v, 0.1, causal, tile,
+                                      dq_acc=torch.zeros(1, 320, 2, 128), dq_sem=torch.zeros(1, 2, 5, dtype=torch.int32))
+    assert seen == [False, False, False, True]
+
+
 _COMPILE = """
 import sys, torch, triton
 sys.path.insert(0, {bench!r})
@@ -197,12 +215,19 @@ from probe_launch import Sm90NoLaunch
 triton.runtime.driver.set_active(Sm90NoLaunch())
 from dataclasses import replace
 from onlineattn.ops import backward_sm90
-from onlineattn.ops._configs import _BWD_WS_DKDV
-for d, causal, fused, ordered, wide in ((128, False, False, False, False), (64, True, False, False, False),
-                                        (128, True, True, False, False), (64, False, True, False, False),
-                                        (256, True, False, False, False), (256, False, False, False, False),
-                                        (128, False, True, True, False), (64, True, True, True, False),
-                                        (128, True, True, True, True)):
+from onlineattn.ops._configs import _BWD_WS_DKDV, fused_dq_tile
+for d, causal, fused, ordered, wide, rows in ((128, False, False, False, False, 0), (64, True, False, False, False, 0),
+                                              (128, True, True, False, False, 0), (64, False, True, False, False, 0),
+                                              (256, True, False, False, False, 0), (256, False, False, False, False, 0),
+                                              (128, False, True, True, False, 0), (64, True, True, True, False, 0),
+                                              (128, True, True, True, True, 0), (64, True, False, False, False, 128),
+                                              (128, True, True, True, False, -1)):
+    tile = fused_dq_tile(d, ordered) if fused else _BWD_WS_DKDV[d]
+    if rows > 0:  # another row tile than the table's
+        tile = replace(tile, block_m=rows)
+    if rows < 0:  # the other causal launch order
+        tile = replace(tile, last_block_first=not tile.last_block_first)
+    padded = -(-300 // tile.block_m) * tile.block_m
     q = torch.randn(2, 300, 8, d, dtype=torch.bfloat16)
     k = torch.randn(2, 300, 2, d, dtype=torch.bfloat16)
     lse = torch.randn(2, 8, 300)
@@ -211,10 +236,9 @@ for d, causal, fused, ordered, wide in ((128, False, False, False, False), (64, 
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = lambda *a, **kw: compiled.append(
         run(*a, **{{**kw, "warmup": True}}))
     dk, dv = (torch.empty_like(k, dtype=torch.float32 if wide else k.dtype) for _ in range(2))
-    backward_sm90.launch_dkdv(q, k, k, q, lse, lse, dk, dv, 0.1, causal,
-                              replace(_BWD_WS_DKDV[d], fused_dq=fused, dq_ordered=ordered),
-                              dq_acc=torch.zeros(2, 320, 8, d) if fused else None,
-                              dq_sem=torch.zeros(2, 8, 5, dtype=torch.int32) if ordered else None)
+    backward_sm90.launch_dkdv(q, k, k, q, lse, lse, dk, dv, 0.1, causal, tile,
+                              dq_acc=torch.zeros(2, padded, 8, d) if fused else None,
+                              dq_sem=torch.zeros(2, 8, padded // tile.block_m, dtype=torch.int32) if ordered else None)
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
     print(d, ptx.count("wgmma.mma_async"), int("cp.reduce.async.bulk.tensor" in ptx),
@@ -230,17 +254,18 @@ print("tiny")
 
 def test_kernel_compiles_for_sm90():
     """Gluon -> PTX -> cubin for sm_90: per warpgroup and row tile Sᵀ and dPᵀ (d / 16 wgmma each) and dV and dK
-    (64 rows / 16 each), nothing duplicated; fused_dq adds dQ's half (128 keys / 16, in the loop and once after it
-    for the last tile) and its float32 TMA reduce-adds; dq_ordered the writer warp's acquiring counter loads and
-    releasing adds (and the same matmuls); dK and dV by TMA stores at d = 64/128 into outputs of q's dtype, from
-    registers at d = 256 and into float32 outputs."""
+    (the tile's rows / 16 each: 128 for the fused dQ at d = 64 and in a plain 128-row case, 64 otherwise), nothing
+    duplicated; fused_dq adds dQ's half (128 keys / 16 per 64 rows, in the loop and once after it for the last
+    tile) and its float32 TMA reduce-adds; dq_ordered the writer warp's acquiring counter loads and releasing adds
+    (and the same matmuls, in either causal launch order); dK and dV by TMA stores from 64-row tiles into outputs
+    of q's dtype, from registers at d = 256, from 128-row tiles and into float32 outputs."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = ["128 48 0 0 1", "64 32 0 0 1", "128 80 1 0 1", "64 64 1 0 1", "256 80 0 0 0", "256 80 0 0 0",
-            "128 80 1 1 1", "64 64 1 1 1", "128 80 1 1 0", "tiny"]
+    rows = ["128 48 0 0 1", "64 32 0 0 1", "128 80 1 0 1", "64 112 1 0 0", "256 80 0 0 0", "256 80 0 0 0",
+            "128 80 1 1 1", "64 112 1 1 0", "128 80 1 1 0", "64 48 0 0 0", "128 80 1 1 1", "tiny"]
     assert out.stdout.split() == " ".join(rows).split(), out.stdout
 
 
@@ -257,23 +282,25 @@ SHAPES = [  # b, sq, sk, hq, hkv
 
 @gpu
 @sm90
-@pytest.mark.parametrize("d,fused,ordered", [(64, False, False), (64, True, False), (64, True, True),
-                                             (128, False, False), (128, True, False), (128, True, True),
-                                             (256, False, False)],
-                         ids=["64", "64-fused-dq", "64-ordered-dq", "128", "128-fused-dq", "128-ordered-dq", "256"])
+@pytest.mark.parametrize("d,fused,ordered,rows", [(64, False, False, 0), (64, True, False, 0), (64, True, True, 0),
+                                                  (64, True, True, 64), (128, False, False, 0), (128, True, False, 0),
+                                                  (128, True, True, 0), (256, False, False, 0)],
+                         ids=["64", "64-fused-dq", "64-ordered-dq", "64-ordered-dq-64-rows", "128", "128-fused-dq",
+                              "128-ordered-dq", "256"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_oracle(shape, causal, dtype, d, fused, ordered):
+def test_matches_oracle(shape, causal, dtype, d, fused, ordered, rows):
     """dK, dV (and dQ) of each dQ path at d = 64 and 128 (the dQ kernel, fused in any order, fused in a fixed
-    order), and of the split-head-dim kernel at d = 256, against the oracle under the §3 rule."""
+    order; on the table's row tiles, and on 64-row ones at d = 64 too), and of the split-head-dim kernel at
+    d = 256, against the oracle under the §3 rule."""
     b, sq, sk, hq, hkv = shape
     g = torch.Generator().manual_seed(sum(shape) + d + causal)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", dtype)
                    for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
     o, lse = F.forward(q, k, v, d**-0.5, causal)
-    cfg = replace(bwd_config(d, d, dtype, "cuda", causal=causal),
-                  dkdv=replace(_BWD_WS_DKDV[d], fused_dq=fused, dq_ordered=ordered))
+    tile = fused_dq_tile(d, ordered) if fused else _BWD_WS_DKDV[d]
+    cfg = replace(bwd_config(d, d, dtype, "cuda", causal=causal), dkdv=replace(tile, block_m=rows or tile.block_m))
     dq, dk, dv = B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=cfg, deterministic=ordered or not fused)
     exact = R.naive_attention_backward(q, k, v, do, causal=causal)
     base = _baseline_grads(q, k, v, do, causal)
@@ -301,7 +328,7 @@ def test_repeat_relaunches_bitwise(causal, d, fused, ordered, monkeypatch):
                    for n, h in ((300, 4), (300, 2), (300, 2), (300, 4)))
     o, lse = F.forward(q, k, v, 0.1, causal)
     cfg = replace(bwd_config(d, d, torch.bfloat16, "cuda", causal=causal),
-                  dkdv=replace(_BWD_WS_DKDV[d], fused_dq=fused, dq_ordered=ordered))
+                  dkdv=fused_dq_tile(d, ordered) if fused else _BWD_WS_DKDV[d])
     exact = ordered or not fused
     first = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg, deterministic=exact)
     again = B.backward(*(x.clone() for x in (do, q, k, v, o, lse)), 0.1, causal, config=cfg, deterministic=exact)
@@ -377,7 +404,8 @@ def test_attention_deterministic_false_takes_the_fused_dq(monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(2, 2048, 2048, 8, 2, 128), (1, 1000, 1000, 4, 2, 64), (2, 700, 1300, 6, 2, 128),
                                    (1, 128, 256, 2, 2, 128), (1, 1024, 2048, 2, 2, 128), (1, 64, 1000, 2, 2, 128),
-                                   (1, 1024, 4096, 4, 2, 128), (1, 2100, 2100, 2, 2, 128)],
+                                   (1, 1024, 4096, 4, 2, 128), (1, 2100, 2100, 2, 2, 128), (1, 1300, 700, 4, 2, 128),
+                                   (1, 700, 1300, 4, 2, 64), (1, 1300, 700, 2, 1, 64)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_ordered_dq_is_bitwise_reproducible(shape, causal):
     """The ordered fused dQ gives the same bits on every run (four here), and ends (no cycle of waits: row tiles per
@@ -394,11 +422,11 @@ def test_ordered_dq_is_bitwise_reproducible(shape, causal):
                    for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
     o, lse = F.forward(q, k, v, d**-0.5, causal)
     base = bwd_config(d, d, torch.bfloat16, "cuda", causal=causal)
-    ordered = replace(base, dkdv=replace(_BWD_WS_DKDV[d], fused_dq=True, dq_ordered=True))
+    ordered = replace(base, dkdv=fused_dq_tile(d, ordered=True))
     runs = [B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=ordered) for _ in range(4)]
     if causal:
-        runs.append(B.backward(do, q, k, v, o, lse, d**-0.5, causal,
-                               config=replace(ordered, dkdv=replace(ordered.dkdv, last_block_first=True))))
+        flipped = replace(ordered.dkdv, last_block_first=not ordered.dkdv.last_block_first)
+        runs.append(B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=replace(ordered, dkdv=flipped)))
     for again in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], again))
     kernel = B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=replace(base, dkdv=_BWD_WS_DKDV[d]))

@@ -274,7 +274,7 @@ def _gluon_calls(monkeypatch) -> list:
     masks, GQA groups (1 is a constexpr to Triton), odd lengths and lse/delta/dk/dv pointers off 16-byte alignment
     (the forward's o goes by descriptor: aligned, as ``forward.py`` routes it)."""
     from onlineattn.ops import backward_sm90, forward_sm90
-    from onlineattn.ops._configs import _BWD_WS_DKDV, _FWD_WS
+    from onlineattn.ops._configs import _BWD_WS_DKDV, _FWD_WS, fused_dq_tile
 
     calls = []
 
@@ -299,10 +299,10 @@ def _gluon_calls(monkeypatch) -> list:
                         forward_sm90.launch(q, k, v, o, lse, 0.1, causal, cfg)
                     backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, 0.1, causal, _BWD_WS_DKDV[d])
                     if d < 256 and i == 0:  # the fused dQ, with its adds ordered (int32 counters: one more array)
-                        tiles = -(-sq // 64)
-                        backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, 0.1, causal,
-                                                  replace(_BWD_WS_DKDV[d], fused_dq=True, dq_ordered=True),
-                                                  dq_acc=torch.zeros(b, tiles * 64, hq, d),
+                        tile = fused_dq_tile(d, ordered=True)
+                        tiles = -(-sq // tile.block_m)
+                        backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, 0.1, causal, tile,
+                                                  dq_acc=torch.zeros(b, tiles * tile.block_m, hq, d),
                                                   dq_sem=torch.zeros(b, hq, tiles, dtype=torch.int32))
     return calls
 

@@ -190,7 +190,8 @@ class BwdTile:
     split_scores: bool = False  # dK/dV only: score tiles split across warpgroups (backward.py, SPLIT_SCORES)
     gluon: bool = False  # dK/dV only: the warp-specialized Hopper kernel (backward_sm90.py): block_n = 128 keys over
     #                      two 4-warp warpgroups at d = 64/128 (at d = 256: 64 keys shared by both, each with half
-    #                      of dK's and dV's columns), block_m = 64-row tiles of one head, num_stages Q/dO stages
+    #                      of dK's and dV's columns), block_m = 64-row tiles of one head (or 128 at d = 64),
+    #                      num_stages Q/dO stages
     fused_dq: bool = False  # gluon only: that kernel also adds dQ (TMA reduce-adds into float32, in no fixed order:
     #                         not deterministic, unless dq_ordered), and no dQ kernel runs
     dq_ordered: bool = False  # fused_dq only: the adds go in a fixed order (per-tile counters, a writer warp), so dQ
@@ -262,8 +263,26 @@ _BWD_FP32_D256 = BwdConfig(BwdTile(16, 16, 4, 1), BwdTile(16, 16, 4, 1))
 #   292 / 317 / 353 / 366 against 154 / 204 / 242 / 269 / 294 / 300 (cuDNN 179 / 247 / 304 / 344 / 384 / 382); dK
 #   and dV bitwise equal to the Triton tile's. One stage lost (213-318). The dK/dV kernel took 3.78 ms against 5.50
 #   at N = 8192 non-causal (about 580 TFLOP/s executed). So it runs from 512 at d = 256, both masks.
+# - d = 64 on 128-row tiles (session 23, NOTES v15; .devrun/bsweep10.py, two passes, dK/dV stored from registers
+#   against TMA stores on 64-row tiles), whole backward, N = 1024 / 2048 / 4096 / 8192 / 16384:
+#   - fused dQ, non-causal 337 / 394-397 / 434-436 / 457 / 449-468 against 334-337 / 384 / 413-414 / 429-433 /
+#     440-442; causal 240-242 / 328-329 / 395-398 / 441-443 / 473-474 against 237-238 / 303-304 / 354 / 388-391 /
+#     416-419;
+#   - beside the Triton dQ, non-causal 331-340 / 371 / 392-395 / 406-407 / 411-418 against 340-347 / 368-373 /
+#     390-398 / 400-401 / 399-402; causal 256-259 / 320-322 / 361-365 / 395-400 / 418-423 against 254 / 306-310 /
+#     346-349 / 370-376 / 387-389.
+#   dK and dV came out bitwise equal to the 64-row tiles' (dQ within float32 summation order). A tile's fixed costs
+#   (barriers, statistics, the dS hand-over) weigh half as much against twice the matmul work; the registers fit
+#   at d = 64 only (ptxas: 232-252 bytes of spills with the fused dQ, none without). The ordered dQ
+#   (.devrun/bsweep11.py, beside GPU tests on the other GPU), 128 rows against 64, last block first: non-causal
+#   N = 1024 / 2048 / 4096 / 8192 / 16384 312-313 / 370 / 410-412 / 434-437 / 435-438 against 301-302 / 354-355 /
+#   378-385 / 379-399 / 394-406; causal 215 / 296-297 / 358-359 / 404 / 425-428 against 223 / 297-298 / 352 /
+#   385-386 / 359-403 (block 0 first on 128 rows: 214 / 276-291 / 326-355 / 362-372 / 351-364). Without a fused
+#   dQ, 128 rows lost at short N (non-causal 512 / 1024: 264-268 / 312-326 in that run against 279-280 / 333-347 on
+#   64 rows in others), so only the fused dQ's tiles take them (BWD_FUSED_DQ_ROWS).
 _BWD_WS_DKDV = {64: BwdTile(64, 128, 4, 2, tma=True, gluon=True), 128: BwdTile(64, 128, 4, 2, tma=True, gluon=True),
                 256: BwdTile(64, 64, 4, 2, tma=True, gluon=True)}
+BWD_FUSED_DQ_ROWS = {64: 128, 128: 64}  # the row tiles of the Gluon dK/dV tiles that fuse dQ (ordered or not)
 #   Session 23 (.devrun/bsweep9.py, two passes, with the TMA stores of NOTES v14), causal N = 512: d = 64 180-182
 #   against the Triton tile's 172, d = 128 197-198 against 193-194; at causal 1024 d = 128 274-278 against 267-270. So
 #   from 512 at every head dim, both masks.
@@ -283,21 +302,23 @@ BWD_WS_MIN_KEYS = {64: (512, 512), 128: (512, 512), 256: (512, 512)}
 #   The reduce order varies run to run, so only launches that allow it (``deterministic=False`` and torch's
 #   deterministic mode off) take it, where it led: d = 128 from 1024 rows and keys non-causal and 2048 causal (at
 #   causal 1024 it tied the Triton dK/dV tile that runs there otherwise: bench 265-268 against 267-271), d = 64 from
-#   16384 (both masks). Below BWD_WS_MIN_KEYS too, where the Triton dK/dV tile would run otherwise. v2 (atomics in place of the TMA
-#   reduces) lost everywhere (d = 128 N = 16384: 444 against 462).
+#   16384 (both masks); then also below BWD_WS_MIN_KEYS, where the Triton dK/dV tile ran otherwise (the session 23
+#   lengths below replace these). v2 (atomics in place of the TMA reduces) lost everywhere (d = 128 N = 16384: 444
+#   against 462).
 #   Session 23 (.devrun/bsweep7.py, two passes), d = 64 causal N = 1024 / 2048 / 4096 / 8192 / 16384: fused 237-239 /
 #   304-305 / 355-357 / 389-391 / 416-417 against Gluon dK/dV + Triton dQ 252-254 / 305-311 / 343-350 / 368-376 /
 #   384-389; so d = 64 causal from 4096. Non-causal (.devrun/bsweep8.py) N = 1024 / 2048 / 4096 / 8192 / 16384:
 #   fused 332-335 / 381-382 / 401-406 / 426-427 / 432-435 against 336-344 / 368 / 377-382 / 388-390 / 391-396;
 #   so d = 64 non-causal from 2048. And d = 128 (.devrun/bsweep9.py) at N = 512 / 1024: causal 206-207 / 296-303
 #   against the table's Triton dK/dV tile 193-194 / 267-270; non-causal 310-313 / 390-391 against Gluon dK/dV's 303-308
-#   / 364-372: from 512 at d = 128.
-BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 4096), 128: (512, 512)}
+#   / 364-372: from 512 at d = 128. d = 64 on 128-row tiles (BWD_FUSED_DQ_ROWS; .devrun/bsweep10.py): causal 2048
+#   328-329 against Gluon dK/dV + Triton dQ's 306-310 (64 rows): from 2048 at both masks.
+BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 2048), 128: (512, 512)}
 # - The ordered fused dQ (session 21, NOTES v13): the same kernel with a writer warp that adds each dQ tile after the
 #   adds that precede it in a fixed order (per-tile counters), so dQ is bitwise reproducible and deterministic calls
 #   can take it. Non-causal key blocks start their row tiles spread apart (a tile's adds come steps apart); causal
-#   programs launch last key block first. Whole backward against Gluon dK/dV + Triton dQ (.devrun/bsweep5.py, two
-#   passes, cuDNN in the same run), d = 128:
+#   programs then launched last key block first (session 23: per head dim, below). Whole backward against Gluon
+#   dK/dV + Triton dQ (.devrun/bsweep5.py, two passes, cuDNN in the same run), d = 128:
 #   - non-causal N = 1024 / 2048 / 4096 / 16384: 361-363 / 422-424 / 465-467 / 455-463 against 351-364 / 401-403 /
 #     427-428 / 439-456 (with launch order instead of spread starts: 271-273 / 306 / 343 / 454-462);
 #   - causal N = 1024 / 2048 / 4096 / 8192 / 16384 (launch order, reversed): 222-224 / 291 / 353-354 / 423 / 483-489
@@ -324,9 +345,17 @@ BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 4096), 128: (512, 512)}
 #   303-305 / 359 / 394 / 415-416 / 424-427 against the default route's 336-344 / 368 / 377-382 / 388-390 / 391-396:
 #   from 4096 (it had lost in session 21, before the eager writer). d = 128 at N = 1024 (.devrun/bsweep9.py):
 #   ordered 390-392 non-causal and 282-283 causal against Gluon dK/dV + Triton dQ 364-372 / 274-278 (at 512: 302-304
-#   / 188 against 303-308 / 197-198): from 1024.
-BWD_ORDERED_DQ_MIN_KEYS = {64: (4096, 4096), 128: (1024, 1024)}
+#   / 188 against 303-308 / 197-198): from 1024. d = 64 on 128-row tiles (above _BWD_WS_DKDV): non-causal from 2048
+#   (370 against Gluon dK/dV + Triton dQ's 358 in the same run), causal from 4096 (358-359 against 352-356).
+BWD_ORDERED_DQ_MIN_KEYS = {64: (2048, 4096), 128: (1024, 1024)}
 BWD_ORDERED_LAST_BLOCK_FIRST = {64: True, 128: False}
+
+
+def fused_dq_tile(head_dim: int, ordered: bool = False) -> BwdTile:
+    """The Gluon dK/dV tile that fuses dQ at ``head_dim`` (64 or 128): on BWD_FUSED_DQ_ROWS row tiles, its adds in
+    no fixed order, or with ``ordered`` in a fixed one, launched as BWD_ORDERED_LAST_BLOCK_FIRST says."""
+    tile = replace(_BWD_WS_DKDV[head_dim], block_m=BWD_FUSED_DQ_ROWS[head_dim], fused_dq=True)
+    return replace(tile, dq_ordered=True, last_block_first=BWD_ORDERED_LAST_BLOCK_FIRST[head_dim]) if ordered else tile
 
 
 def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *,
@@ -348,12 +377,11 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
     shortest = min(seqlen_q or 0, seqlen_k or 0)
     fused_from = BWD_FUSED_DQ_MIN_KEYS.get(head_dim)
     if not deterministic and fused_from is not None and shortest >= fused_from[causal]:
-        return replace(cfg, dkdv=replace(ws, fused_dq=True))
+        return replace(cfg, dkdv=fused_dq_tile(head_dim))
     ordered_from = BWD_ORDERED_DQ_MIN_KEYS.get(head_dim, (None, None))[causal]
     if (deterministic and ordered_from is not None and shortest >= ordered_from
             and -(-seqlen_k // ws.block_n) <= ordered_blocks):
-        return replace(cfg, dkdv=replace(ws, fused_dq=True, dq_ordered=True,
-                                         last_block_first=BWD_ORDERED_LAST_BLOCK_FIRST[head_dim]))
+        return replace(cfg, dkdv=fused_dq_tile(head_dim, ordered=True))
     return cfg if shortest < BWD_WS_MIN_KEYS[head_dim][causal] else replace(cfg, dkdv=ws)
 
 

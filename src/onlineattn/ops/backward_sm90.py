@@ -2,9 +2,10 @@
 
 One program owns ``BLOCK_N = 128`` keys of one (batch, kv head), split between two consumer warpgroups of 64 keys
 each (at d = 256: 64 keys that both warpgroups share, each with half of dK's and dV's columns, ``_consumer_split``);
-their K and V rows come in once by TMA. A one-warp producer partition streams the tiles of 64 query rows of
-every head in the GQA group (Q and dO, by TMA) through a ring of ``num_stages`` stages with "ready" and "empty"
-mbarriers, so both warpgroups read each tile once from shared memory. Per tile a warpgroup computes, in registers,
+their K and V rows come in once by TMA. A one-warp producer partition streams the row tiles (64 query rows, or
+128 at d = 64: ``ROW_TILES``) of every head in the GQA group (Q and dO, by TMA) through a ring of ``num_stages``
+stages with "ready" and "empty" mbarriers, so both warpgroups read each tile once from shared memory. Per tile a
+warpgroup computes, in registers,
 
     Sᵀ = K Qᵀ and dPᵀ = V dOᵀ          (both issued, then one wait)
     Pᵀ = 2^(Sᵀ · scale · log2 e − lse₂)  (lse₂ = lse · log2 e, +inf for rows that saw no key, so P = 0)
@@ -47,6 +48,7 @@ from .forward_sm90 import Tile, _sm_count, descriptor
 HEAD_DIMS = (64, 128, 256)  # what this kernel is built and tested for (d = 256 splits the head dim: _consumer_split)
 
 KEYS_PER_WARPGROUP = 64
+ROW_TILES = {64: (64, 128)}  # the row tiles a head dim takes, where not only 64 (128 rows: registers for d <= 64 only)
 
 
 @_builtin
@@ -90,7 +92,7 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     q_smem = gl.allocate_shared_memory(dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     # Per row tile, lse (base 2) and delta: the producer writes them beside the tile's Q and dO, so the consumers hold
-    # them in registers only while they use them (as [64 keys x 64 rows] columns they take 16 registers each).
+    # them in registers only while they use them (as [64 keys x BLOCK_M rows] columns, 16 registers each per 64 rows).
     plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     lse_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], plain)
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], plain)
@@ -98,8 +100,9 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both warpgroups past every tile
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # With FUSED_DQ: both warpgroups' dSᵀ of a row tile ([128 keys, 64 rows], two buffers), for dQ = dS K over all 128
-    # keys (each warpgroup half of dQ's columns); "ds_ready" counts the two halves written, "ds_free" the two reads.
+    # With FUSED_DQ: both warpgroups' dSᵀ of a row tile ([128 keys, BLOCK_M rows], two buffers), for dQ = dS K over
+    # all 128 keys (each warpgroup half of dQ's columns); "ds_ready" counts the two halves written, "ds_free" the two
+    # reads.
     # At d = 256, ds_ready / ds_free index 0 serve _consumer_split's Pᵀ/dSᵀ halves (ds_smem goes unused there).
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2 if FUSED_DQ else 1, BLOCK_N, BLOCK_M], ds_layout)
@@ -436,12 +439,12 @@ def _row_tile(t, lo, row_tiles, shift, tile):
 
 @gluon.jit
 def _spacing(n_tiles, seqlen_k, BLOCK_N: gl.constexpr):
-    """ORDERED, non-causal: how many row tiles apart consecutive key blocks start (``n_tiles`` each), at least 2; 0
-    where that does not fit (fewer than two row tiles per key block): they then all start at the first. (With the
-    writer's earlier rule, a counter raised only after the next tile's turn, a spacing of 1 closed a cycle of waits,
-    session 21; now the spacing only keeps each add steps after the one it waits on.)"""
-    s = n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
-    return gl.where(s >= 2, s, 0)
+    """ORDERED, non-causal: how many row tiles apart consecutive key blocks start (``n_tiles`` each), at least 1; 0
+    where that does not fit (fewer row tiles than key blocks): they then all start at the first. (With the writer's
+    earlier rule, a counter raised only after the next tile's turn, a spacing of 1 closed a cycle of waits, session
+    21; now the spacing only keeps each add steps after the one it waits on, and 128-row tiles of square shapes have
+    one row tile per key block.)"""
+    return n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
 
 
 @gluon.jit
@@ -465,7 +468,7 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqle
     program's turn (``_turn``), issues both warpgroups' TMA reduces, and once they have landed raises the counter
     and releases the staging buffers (the consumers run up to two tiles ahead). So every run adds in the same order:
     dQ is bitwise reproducible. An add waits on its own program's earlier adds and on the adds at the same tile with
-    an earlier turn, which ``_turn`` puts at earlier steps (or, at the same step, on the blocks before it): that order
+    an earlier turn, which ``_turn`` puts at earlier steps (or, at the same step, on blocks earlier in turn): that order
     has no cycle, so every chain of waits ends. (Raising a tile's counter only after the next tile's turn, as before
     NOTES v14, also made the chains cross tiles.) Key blocks may wait on blocks launched after them (non-causal, and
     causal ones launched block 0 first), so all of a (batch, kv head)'s blocks must be resident at once:
@@ -500,16 +503,16 @@ def _turn(tile_of, mt, pid_n, n_tiles, seqlen_q, seqlen_k, tile):
     K = ``blocks``; ``tile_of`` is the tile's index among a program's ``n_tiles`` (head of the group, then row tile),
     before any rotation. Each add waits on adds at earlier steps of their programs (or, at the same step, on blocks
     it comes after), so the chains of waits end, and the orders put them steps apart, so the waits seldom stall:
-    - Non-causal, key block j starts ``j · s`` tiles in (s = ``_spacing`` >= 2, K · s <= n_tiles), so it reaches tile
+    - Non-causal, key block j starts ``j · s`` tiles in (s = ``_spacing`` >= 1, K · s <= n_tiles), so it reaches tile
       t at step (t - j·s) mod n_tiles, and the adds go by step: a = min(t // s, K - 1), a - 1, ..., 0, K - 1, ...,
-      a + 1, so j's turn is (a - j) mod K. Each waits on an add made at least s >= 2 steps earlier. With s = 0 every
+      a + 1, so j's turn is (a - j) mod K. Each waits on an add made at least s >= 1 steps earlier. With s = 0 every
       block starts at the first tile and the adds go by block, each waiting on the block before at the same step:
       the chain ends at block 0.
     - Causal: a row tile's adds go from the block on its diagonal back to block 0: each block reaches the tile no
-      earlier in its own loop than the block after it (two steps later or more, or at the same step where several
-      blocks start at row 0 when Sk > Sq), and waits only on blocks after it. The chain ends at the last block that sees
-      the tile. With ``LAST_BLOCK_FIRST`` those blocks launched first; otherwise block 0, the longest, launches
-      first, and a block launched up to two steps before the next one still seldom stalls."""
+      earlier in its own loop than the block after it (a step later or more, or at the same step where several
+      blocks start at row 0 when Sk > Sq), and waits only on blocks after it. The chain ends at the last block that
+      sees the tile. With ``LAST_BLOCK_FIRST`` those blocks launch first; otherwise block 0, the longest, launches
+      first, and the lag between blocks keeps most adds from waiting when they start together."""
     blocks = gl.cdiv(seqlen_k, tile.BLOCK_N)
     if tile.CAUSAL:
         # key blocks j > pid_n whose first visible row tile (max(j·BLOCK_N - (Sk - Sq), 0) // BLOCK_M) is <= mt
@@ -550,11 +553,12 @@ def descriptors(q, k, v, do, dk, dv, tile) -> tuple:
 
 
 def stores_by_tma(q, dk, dv, tile) -> bool:
-    """Whether the kernel stores dK and dV by TMA from two free Q/dO stages: at d = 64 and 128, into outputs of q's
-    dtype with a 16-byte aligned base and strides, with a ring of two stages or more. Otherwise it stores them from
-    registers (``gl.store``), as at d = 256 and for ring attention, which sums its steps into float32 dk and dv."""
-    return (q.shape[-1] <= 128 and tile.num_stages >= 2 and dk.dtype == q.dtype and dv.dtype == q.dtype
-            and tma_aligned(dk, dv))
+    """Whether the kernel stores dK and dV by TMA from two free Q/dO stages: at d = 64 and 128 with 64-row tiles (a
+    stage is then a warpgroup's dK or dV box), into outputs of q's dtype with a 16-byte aligned base and strides,
+    with a ring of two stages or more. Otherwise it stores them from registers (``gl.store``), as at d = 256, with
+    128-row tiles and for ring attention, which sums its steps into float32 dk and dv."""
+    return (q.shape[-1] <= 128 and tile.block_m == KEYS_PER_WARPGROUP and tile.num_stages >= 2
+            and dk.dtype == q.dtype and dv.dtype == q.dtype and tma_aligned(dk, dv))
 
 
 def dq_descriptor(dq_acc, tile, d: int, device):
@@ -588,9 +592,10 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
             raise ValueError(f"{name}: the kernel writes rows of a contiguous last dim, not stride {x.stride(-1)}")
     split = q.shape[-1] > 128  # d = 256: both warpgroups on 64 keys, each with half of dK's and dV's columns
     keys = KEYS_PER_WARPGROUP if split else 2 * KEYS_PER_WARPGROUP
-    if tile.block_m != 64 or tile.block_n != keys or tile.num_warps != 4:
-        raise ValueError(f"config: the Hopper dK/dV kernel runs {keys} keys over two 4-warp warpgroups and 64-row "
-                         f"tiles at d = {q.shape[-1]}, not {tile}")
+    rows = ROW_TILES.get(q.shape[-1], (64,))
+    if tile.block_m not in rows or tile.block_n != keys or tile.num_warps != 4:
+        raise ValueError(f"config: the Hopper dK/dV kernel runs {keys} keys over two 4-warp warpgroups and "
+                         f"{' or '.join(map(str, rows))}-row tiles at d = {q.shape[-1]}, not {tile}")
     if split and tile.fused_dq:
         raise ValueError("config: fused_dq runs at d = 64 and 128 only")
     if tile.fused_dq != (dq_acc is not None):
@@ -647,6 +652,8 @@ def _no_semaphores(device):
 
 def ordered_blocks(device) -> int:
     """The most key blocks per (batch, kv head) a ``dq_ordered`` launch takes on ``device``: one resident program
-    per SM (the kernel's shared memory allows no second), and non-causal programs wait on each other, so all must be
-    resident at once. (A device shared under MPS with an SM limit gives a program fewer SMs than this count.)"""
+    per SM (the kernel's shared memory allows no second), and non-causal programs, and causal ones launched block 0
+    first, may wait on programs launched after them, so all must be resident at once. (A device shared under MPS
+    with an SM limit, or kernels holding SMs for the whole launch, leave fewer SMs than this count: such a launch
+    can then stall until they let go, or hang.)"""
     return _sm_count(device)  # (132 for the compile-only runs on CPU tensors)
