@@ -139,9 +139,9 @@ def test_gluon_tile_is_refused_where_it_cannot_run():
 
 
 def test_dk_dv_leave_by_tma_where_they_can():
-    """dK and dV leave by TMA stores at d = 64 and 128 into aligned outputs of q's dtype from a ring of two stages or
-    more; otherwise (another dtype, as ring attention's float32 sums; off 16-byte alignment; one stage; d = 256) from
-    registers."""
+    """dK and dV leave by TMA stores from 64-row tiles at d = 64 and 128 into aligned outputs of q's dtype from a ring
+    of two stages or more; otherwise (another dtype, as ring attention's float32 sums; off 16-byte alignment; one
+    stage; 128-row tiles, as d = 64's fused dQ; d = 256) from registers."""
     from onlineattn.ops.backward_sm90 import stores_by_tma
 
     q, k = (torch.randn(1, 8, 2, 128, dtype=torch.bfloat16) for _ in range(2))
@@ -152,6 +152,9 @@ def test_dk_dv_leave_by_tma_where_they_can():
     assert not stores_by_tma(q, k, odd, tile) and not stores_by_tma(q, k, k, replace(tile, num_stages=1))
     q256 = torch.randn(1, 8, 2, 256, dtype=torch.bfloat16)
     assert not stores_by_tma(q256, q256, q256, _BWD_WS_DKDV[256])
+    q64 = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    assert stores_by_tma(q64, q64, q64.clone(), _BWD_WS_DKDV[64])
+    assert fused_dq_tile(64).block_m == 128 and not stores_by_tma(q64, q64, q64.clone(), fused_dq_tile(64))
 
 
 def test_ordered_tile_is_refused_where_it_cannot_run(monkeypatch):
@@ -408,9 +411,9 @@ def test_attention_deterministic_false_takes_the_fused_dq(monkeypatch):
                                    (1, 700, 1300, 4, 2, 64), (1, 1300, 700, 2, 1, 64)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_ordered_dq_is_bitwise_reproducible(shape, causal):
-    """The ordered fused dQ gives the same bits on every run (four here), and ends (no cycle of waits: row tiles per
-    key block of 1, 2, under 2 and up to 2 included, where non-causal blocks start together), over GQA groups, odd
-    lengths and Sq != Sk
+    """The ordered fused dQ gives the same bits on every run (four here, the last three repeats of a kept launch),
+    and ends (no cycle of waits: non-causal key blocks start 0 (under one row tile per key block: together), 1, 2,
+    3, 7 or 8 row tiles apart here), over GQA groups, odd lengths, 64- and 128-row tiles and Sq != Sk
     (causal: several key blocks then see the first row tile, their adds ordered among themselves; non-causal: key
     blocks start a non-power-of-two number of tiles apart), and stays within the summation order of the dQ kernel's
     result; causal dK and dV are that kernel's bitwise (the same sums in the same order), non-causal ones within

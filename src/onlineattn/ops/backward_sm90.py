@@ -17,8 +17,9 @@ shared memory, from where both warpgroups' dV and dK products read them),
 
 and the group's sum of dK and dV stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton
 kernel, whose delta pass and dQ kernel this one runs beside. dK and dV leave by TMA stores from two Q/dO stages,
-free once both warpgroups are past their last tile, where ``stores_by_tma`` holds (d = 64/128, outputs of q's dtype,
-aligned, two stages or more); otherwise (d = 256, float32 outputs, one stage) from registers. Plain attention only:
+free once both warpgroups are past their last tile, where ``stores_by_tma`` holds (64-row tiles at d = 64/128,
+outputs of q's dtype, aligned, two stages or more); otherwise (d = 256, 128-row tiles, float32 outputs, one stage)
+from registers. Plain attention only:
 float16/bfloat16, equal head dims (64, 128 or 256), TMA-able strides, ``backward.py`` routes a launch here when
 ``bwd_config`` picks a ``gluon`` dK/dV tile.
 
@@ -443,7 +444,7 @@ def _spacing(n_tiles, seqlen_k, BLOCK_N: gl.constexpr):
     where that does not fit (fewer row tiles than key blocks): they then all start at the first. (With the writer's
     earlier rule, a counter raised only after the next tile's turn, a spacing of 1 closed a cycle of waits, session
     21; now the spacing only keeps each add steps after the one it waits on, and 128-row tiles of square shapes have
-    one row tile per key block.)"""
+    one row tile per key block per head of the group.)"""
     return n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
 
 
