@@ -19,9 +19,8 @@ and the group's sum of dK and dV stays in registers (no atomics, deterministic),
 kernel, whose delta pass and dQ kernel this one runs beside. dK and dV leave by TMA stores from two Q/dO stages,
 free once both warpgroups are past their last tile, where ``stores_by_tma`` holds (64-row tiles at d = 64/128,
 outputs of q's dtype, aligned, two stages or more); otherwise (d = 256, 128-row tiles, float32 outputs, one stage)
-from registers. Plain attention only:
-float16/bfloat16, equal head dims (64, 128 or 256), TMA-able strides, ``backward.py`` routes a launch here when
-``bwd_config`` picks a ``gluon`` dK/dV tile.
+from registers. Plain attention only: float16/bfloat16, equal head dims (64, 128 or 256), TMA-able strides;
+``backward.py`` routes a launch here when ``bwd_config`` picks a ``gluon`` dK/dV tile.
 
 With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
 issues dQ = dS K for half of dQ's columns over all 128 keys behind that tile's dV and dK, and adds the result into
@@ -286,11 +285,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
             mbarrier.arrive(ds_free.index(pbuf), count=1, pred=t > 0)
-            if tile.ORDERED:
-                _stage_dq(dq, dq_smem, dq_full, dq_empty, t - 1, t > 0, tile)
-            else:
-                _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv, t - 1, lo, row_tiles, shift, dq_rows, t > 0,
-                        tile)
+            _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, t - 1, lo, row_tiles, shift, dq_rows, t > 0,
+                     tile)
         else:
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
@@ -300,11 +296,9 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(ds_free.index(last % 2), count=1, pred=n_tiles > 0)
-        if tile.ORDERED:
-            _stage_dq(dq, dq_smem, dq_full, dq_empty, last, n_tiles > 0, tile)
-        else:
-            _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv, last, lo, row_tiles, shift, dq_rows, n_tiles > 0,
-                    tile)
+        _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, last, lo, row_tiles, shift, dq_rows, n_tiles > 0,
+                 tile)
+        if not tile.ORDERED:
             tma.store_wait(0)  # the last reduce has read its staging buffer
 
     if tile.TMA_OUT:  # every Q/dO stage is free once both warpgroups are past their last tile (no more loads)
@@ -411,6 +405,16 @@ def _store_dkdv_tma(dk, dv, dk_desc, dv_desc, k_buf, v_buf, off_b, off_hkv, key0
     tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hkv, 0], k_buf)
     tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hkv, 0], v_buf)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, t, lo, row_tiles, shift, dq_rows, valid, tile):
+    """Row tile ``t``'s dQ columns of this warpgroup, where ``valid``: staged for the writer warp (ORDERED,
+    ``_stage_dq``), else added at once (``_add_dq``)."""
+    if tile.ORDERED:
+        _stage_dq(dq, dq_smem, dq_full, dq_empty, t, valid, tile)
+    else:
+        _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv, t, lo, row_tiles, shift, dq_rows, valid, tile)
 
 
 @gluon.jit
@@ -546,9 +550,9 @@ def descriptors(q, k, v, do, dk, dv, tile) -> tuple:
     head, and for dK and dV a warpgroup's 64 keys (the Q/dO stages' box, which stage them). Where the kernel stores
     dK and dV from registers (``stores_by_tma`` is false) Q's and dO's stand in for them, unread."""
     d = q.shape[-1]
-    rows_block, keys_block = (1, tile.block_m, 1, d), (1, tile.block_n, 1, d)
+    rows_block, keys_block, out_block = (1, tile.block_m, 1, d), (1, tile.block_n, 1, d), (1, KEYS_PER_WARPGROUP, 1, d)
     q_desc, do_desc = descriptor(q, rows_block), descriptor(do, rows_block)
-    outs = ((descriptor(dk, rows_block), descriptor(dv, rows_block)) if stores_by_tma(q, dk, dv, tile)
+    outs = ((descriptor(dk, out_block), descriptor(dv, out_block)) if stores_by_tma(q, dk, dv, tile)
             else (q_desc, do_desc))
     return (q_desc, descriptor(k, keys_block), descriptor(v, keys_block), do_desc, *outs)
 

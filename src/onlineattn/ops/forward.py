@@ -309,12 +309,13 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
             return o, lse.fill_(float("-inf"))
         return o, lse.copy_(mods.sinks.view(hq, 1) if mods.varlen else mods.sinks.view(1, hq, 1))  # lse = the sink
     tma_ok = not mods.varlen and tma_aligned(k, v)  # a descriptor's bounds would be the whole pack, not a sequence
+    gluon_ok = tma_ok and ws_ok(q, k, v, scale, mods) and tma_aligned(o)
     cfg = config or fwd_config(q.shape[-1], dv, q.dtype, causal, q.device.type, variants=mods is not PLAIN,
                                seqlen_q=mods.max_seqlen_q if mods.varlen else q.shape[1],
                                seqlen_k=mods.max_seqlen_k if mods.varlen else k.shape[1], tma_ok=tma_ok,
-                               ws_ok=tma_ok and ws_ok(q, k, v, scale, mods) and tma_aligned(o))
+                               ws_ok=gluon_ok)
     if cfg.gluon:  # one launch: its grid is one-dimensional (tiles), with no grid-y limit to slice the batch for
-        if config is not None and not (tma_ok and ws_ok(q, k, v, scale, mods) and tma_aligned(o)):
+        if not gluon_ok:  # only an explicit config gets here so: the table picks gluon only where it can run
             raise ValueError("config: a gluon tile runs only plain half-precision calls on sm_90 with equal head dims, "
                              "a positive scale and TMA-aligned q, k, v and out")
         check_int32_offsets(lse=lse)  # the kernel's offsets within a batch entry are int32 (Q, K, V and O go by TMA)
