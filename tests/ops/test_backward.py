@@ -235,3 +235,16 @@ def test_every_head_dim_bf16(d, causal):
     base = _baseline_grads(q, k, v, do, causal)
     for name, got, want, ref in zip(("dq", "dk", "dv"), grads, exact, base):
         R.assert_within_rule(name, got, want, ref, "bfloat16")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_fused_dq_scaling_pass(d):
+    """The pass after a fused dQ: the float32 sum (rows padded to whole tiles) times the scale, rounded once into
+    dQ's dtype and strides (a strided view here), as torch rounds it; rows past Sq are padding and never read."""
+    g = torch.Generator().manual_seed(d)
+    acc = torch.randn(2, 64, 3, d, generator=g).to(DEVICE)
+    for dtype in (torch.float16, torch.float32):
+        wide = torch.full((2, 50, 3, 2 * d), float("nan"), device=DEVICE, dtype=dtype)
+        dq = wide[..., d:]
+        B._scale_dq(acc, 0.3, dq)
+        assert torch.equal(dq, (acc[:, :50] * 0.3).to(dtype)) and wide[..., :d].isnan().all()

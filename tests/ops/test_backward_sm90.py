@@ -345,6 +345,38 @@ def test_repeat_relaunches_bitwise(causal, d, fused, ordered, monkeypatch):
 
 @gpu
 @sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 700, 1300, 4, 2, 128), (2, 1300, 700, 4, 2, 128), (1, 1000, 1000, 4, 2, 64),
+                                   (2, 129, 17, 2, 2, 128)], ids=lambda s: "x".join(map(str, s)))
+def test_ordered_dq_needs_no_zeroed_accumulator(shape, causal, monkeypatch):
+    """The ordered tile's first add to each row tile stores, so its float32 accumulator is not zeroed: filled with
+    NaN here, dQ comes out the same bits. (Causal rows above every key's diagonal, Sq > Sk, are seen by no key
+    block: that accumulator stays zeroed, and those rows' dQ is 0.)"""
+    b, sq, sk, hq, hkv, d = shape
+    g = torch.Generator().manual_seed(sum(shape) + causal)
+    q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", torch.bfloat16)
+                   for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+    o, lse = F.forward(q, k, v, 0.1, causal)
+    cfg = replace(bwd_config(d, d, torch.bfloat16, "cuda", causal=causal), dkdv=fused_dq_tile(d, ordered=True))
+    want = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg)
+    made = B._dq_accumulator
+
+    def poisoned(dq, tile, causal, seqlen_k):
+        acc, sem = made(dq, tile, causal, seqlen_k)
+        if not (causal and dq.shape[1] > seqlen_k):
+            acc.fill_(float("nan"))
+        return acc, sem
+
+    monkeypatch.setattr(B, "_dq_accumulator", poisoned)
+    monkeypatch.setattr(B, "_STEPS", {})
+    got = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg)
+    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    if causal and sq > sk:
+        assert not want[0][:, : sq - sk].any()
+
+
+@gpu
+@sm90
 def test_table_fused_dq_follows_the_call(monkeypatch):
     """Through the table at d = 128 and N = the larger of BWD_FUSED_DQ_MIN_KEYS and BWD_ORDERED_DQ_MIN_KEYS: deterministic=False
     launches the fused kernel with its adds in any order, deterministic=True and torch's deterministic mode the

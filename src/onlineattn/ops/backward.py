@@ -1,6 +1,6 @@
 """Fused attention backward in Triton (FlashAttention-2's): dQ, dK, dV from q, k, v, o, lse and dO.
 
-Read top-down: three kernels, then the launcher.
+Read top-down: three kernels (and a fused dQ's scaling pass), then the launcher.
 
 1. ``attention_bwd_preprocess_kernel``: ``delta = rowsum(dO ∘ O)`` in float32 (minus the gradient flowing into lse,
    which enters dS the same way: ``dS = P ∘ (dP − delta + dlse)``).
@@ -8,6 +8,8 @@ Read top-down: three kernels, then the launcher.
    rows of every head in its GQA group, recomputing ``P`` from lse. The group's sum lands in registers, so dK and dV
    need no atomics and no per-head copies.
 3. ``attention_bwd_dq_kernel``: a program owns ``BLOCK_M`` packed query rows, as in the forward, and loops over keys.
+4. ``attention_bwd_dq_scale_kernel``: where sm_90's dK/dV kernel sums dQ itself (``fused_dq``, below), dQ is its
+   float32 sum times the scale, in dQ's dtype.
 
 These kernels use no atomics, so their results are bitwise reproducible. (On sm_90 a call may instead take the Gluon
 dK/dV kernel with dQ fused into it, ``fused_dq``: its dQ tiles are added into a float32 accumulator by TMA
@@ -406,6 +408,22 @@ def _dq_block(
     return b_dq + tl.dot(b_ds.to(b_k.dtype), b_k, input_precision=INPUT_PRECISION)
 
 
+@triton.jit
+def attention_bwd_dq_scale_kernel(ACC, DQ, scale, stride_db, stride_ds, stride_dh, n_rows, rows_per_batch, seqlen_q,
+                                  heads_q, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dQ = ``scale`` · a fused dQ's float32 sum (``ACC [B, rows_per_batch, Hq, D]`` contiguous, rows past Sq
+    padding) in dQ's dtype, for ``BLOCK_R`` of the ``n_rows`` = B · Sq · Hq (batch, query, head) rows a program."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = r % heads_q
+    s = (r // heads_q) % seqlen_q
+    b = (r // (heads_q * seqlen_q)).to(tl.int64)
+    cols = tl.arange(0, HEAD_DIM)
+    keep = (r < n_rows)[:, None]
+    x = tl.load(ACC + (((b * rows_per_batch + s) * heads_q + h) * HEAD_DIM)[:, None] + cols[None, :], mask=keep)
+    out = DQ + (b * stride_db + s.to(tl.int64) * stride_ds + h * stride_dh)[:, None] + cols[None, :]
+    tl.store(out, (x * scale).to(DQ.dtype.element_ty), mask=keep)
+
+
 def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out=None, config=None,
              deterministic: bool = True):
     """Gradients ``(dq, dk, dv)`` in the inputs' dtypes. Shapes as the forward: q ``[B, Sq, Hq, D]``,
@@ -558,12 +576,11 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     scalars = (sq, sk, hkv, scale * LOG2E, scale)
     t = cfg.dkdv
     if t.gluon:
-        dq_acc, dq_sem = _dq_accumulator(dq, t) if t.fused_dq else (None, None)
+        dq_acc, dq_sem = _dq_accumulator(dq, t, causal, sk) if t.fused_dq else (None, None)
         grid_dkdv, dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep,
                                                     dq_acc=dq_acc, dq_sem=dq_sem)
-        if t.fused_dq:  # dQ came with dK and dV, and no dQ kernel runs
-            _scale_dq(dq_acc, scale, dq)
-            return (grid_dkdv, dkdv), (None, None)
+        if t.fused_dq:  # dQ came with dK and dV: no dQ kernel runs, only the pass that scales it
+            return (grid_dkdv, dkdv), _scale_dq(dq_acc, scale, dq, keep)
     else:
         q_arg, do_arg = q, do
         if tma_rows:
@@ -590,29 +607,42 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     return (grid_dkdv, dkdv), (grid_dq, dq_kernel)
 
 
-def _dq_accumulator(dq, tile):
-    """Zeroed float32 dQ ``[B, Sq rounded up to the row tile, Hq, D]`` for a ``fused_dq`` kernel's TMA reduces (dq's
-    own layout: the final scaling reads it contiguously), and for a ``dq_ordered`` one its zeroed int32 counters
-    ``[B, Hq, row tiles]`` (else None), both from one zeroed allocation."""
+def _dq_accumulator(dq, tile, causal: bool, seqlen_k: int):
+    """Float32 dQ ``[B, Sq rounded up to the row tile, Hq, D]`` for a ``fused_dq`` kernel's TMA copies (dq's own
+    layout: the final scaling reads it contiguously), and for a ``dq_ordered`` one its zeroed int32 counters
+    ``[B, Hq, row tiles]`` (else None). Zeroed, except where the kernel's ordered adds store first: every row tile
+    then gets a store, unless causal rows above every key's diagonal (Sq > Sk) are seen by no key block."""
     b, sq, hq, d = dq.shape
     tiles = cdiv(sq, tile.block_m)
-    n_acc, n_sem = b * tiles * tile.block_m * hq * d, b * hq * tiles if tile.dq_ordered else 0
-    zeros = torch.zeros(n_acc + n_sem, dtype=torch.float32, device=dq.device)
-    dq_acc = zeros[:n_acc].view(b, tiles * tile.block_m, hq, d)
-    return dq_acc, zeros[n_acc:].view(torch.int32).view(b, hq, tiles) if tile.dq_ordered else None
+    shape = (b, tiles * tile.block_m, hq, d)
+    if not tile.dq_ordered:
+        return torch.zeros(shape, dtype=torch.float32, device=dq.device), None
+    sem = torch.zeros((b, hq, tiles), dtype=torch.int32, device=dq.device)
+    unseen = causal and sq > seqlen_k
+    return (torch.zeros if unseen else torch.empty)(shape, dtype=torch.float32, device=dq.device), sem
 
 
-def _scale_dq(dq_acc, scale: float, dq) -> None:
-    """dQ = scale · the fused kernel's sum (its rows past Sq are padding), into dq (one elementwise pass)."""
-    torch.mul(dq_acc[:, : dq.shape[1]], scale, out=dq)
+SCALE_ELEMENTS = 8192  # float32 values a program of the dQ scaling pass reads (32 KiB): a streaming pass
+
+
+def _scale_dq(dq_acc, scale: float, dq, keep: bool = False):
+    """dQ = scale · the fused kernel's sum (its rows past Sq are padding), into dq (one pass over the accumulator;
+    torch.mul into another dtype runs a kernel that does not vectorise, about 30 % slower on sm_90). Returns
+    ``(grid, Relaunch)``: with ``keep`` the Relaunch to repeat it (None where it cannot be kept), else None."""
+    b, sq, hq, d = dq.shape
+    rows = b * sq * hq
+    block_r = SCALE_ELEMENTS // d
+    grid = (cdiv(rows, block_r),)
+    return grid, start(keep, attention_bwd_dq_scale_kernel, grid, 2, dq_acc, dq, scale, *dq.stride()[:3], rows,
+                       dq_acc.shape[1], sq, hq, HEAD_DIM=d, BLOCK_R=block_r, num_warps=8)
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Repeats. A training loop runs the backward with the same shapes every step, so a plain whole-batch call keeps its
-# choices (tile, descriptor use) and its three launches (``_Step``; two with a fused dQ), keyed by the metadata they
-# depend on; a repeat only swaps the tensors in (``Relaunch``) and rebuilds the descriptors around them. All must be
-# ready before any starts; where one is not (a hook set, an alignment changed...), the call takes the full path,
-# which keeps a fresh step.
+# choices (tile, descriptor use) and its three launches (``_Step``; with a fused dQ, the pass that scales it stands in
+# the dQ kernel's place), keyed by the metadata they depend on; a repeat only swaps the tensors in (``Relaunch``) and
+# rebuilds the descriptors around them. All must be ready before any starts; where one is not (a hook set, an
+# alignment changed...), the call takes the full path, which keeps a fresh step.
 
 
 class _Step:
@@ -620,7 +650,7 @@ class _Step:
 
     def __init__(self, cfg, tma_rows: bool, tma_keys: bool, pre, dkdv, dq):
         self.cfg, self.tma_rows, self.tma_keys = cfg, tma_rows, tma_keys
-        self.pre, self.dkdv, self.dq = pre, dkdv, dq  # each (grid, Relaunch or None)
+        self.pre, self.dkdv, self.dq = pre, dkdv, dq  # each (grid, Relaunch or None); dq: the scaling pass if fused
 
 
 _STEPS: dict = {}
@@ -650,8 +680,8 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
     step = _STEPS.get(_step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing))
     if step is None or step.pre[1] is None or step.dkdv[1] is None:
         return False
-    fused = step.cfg.dkdv.gluon and step.cfg.dkdv.fused_dq  # no dQ launch: dQ comes with dK and dV
-    if not fused and step.dq[1] is None:
+    fused = step.cfg.dkdv.gluon and step.cfg.dkdv.fused_dq  # dQ comes with dK and dV, and a pass scales it
+    if step.dq[1] is None:
         return False
     b, sq, hq, d = q.shape
     hkv, dv_dim = k.shape[2], v.shape[3]
@@ -667,22 +697,19 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
     (grid_pre, pre), (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.pre, step.dkdv, step.dq
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
     arrays_pre = (o, do, lse if dlse is None else dlse, delta)
-    dq_acc, dq_sem = _dq_accumulator(dq, step.cfg.dkdv) if fused else (None, None)
+    dq_acc, dq_sem = _dq_accumulator(dq, step.cfg.dkdv, causal, k.shape[1]) if fused else (None, None)
     if step.cfg.dkdv.gluon:
         descriptors = backward_sm90.descriptors(q, k, v, do, dk, dv, step.cfg.dkdv)
         dq_arg = backward_sm90.dq_descriptor(dq_acc, step.cfg.dkdv, q.shape[-1], q.device)
         arrays_dkdv = (*descriptors, lse, delta, dk, dv, dq_arg, backward_sm90.semaphores(dq_sem, q.device))
     else:
         arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
-    arrays_dq = (q, k_arg, v_arg, do, lse, delta, dq)
-    if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and (fused or dq_kernel.ready(arrays_dq))):
+    arrays_dq = (dq_acc, dq) if fused else (q, k_arg, v_arg, do, lse, delta, dq)
+    if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and dq_kernel.ready(arrays_dq)):
         return False
     pre.go(grid_pre, arrays_pre)
     dkdv.go(grid_dkdv, arrays_dkdv)
-    if fused:
-        _scale_dq(dq_acc, scale, dq)
-    else:
-        dq_kernel.go(grid_dq, arrays_dq)
+    dq_kernel.go(grid_dq, arrays_dq)
     return True
 
 

@@ -470,7 +470,8 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqle
                row_tiles, shift, seqlen_q, tile):
     """ORDERED, one warp: the program's dQ tiles into the float32 accumulator in a fixed order. Each (batch, head,
     row tile) has a counter in ``SEM`` (int32, zeroed) of the adds landed; the writer waits until it reaches this
-    program's turn (``_turn``), issues both warpgroups' TMA reduces, and once they have landed raises the counter
+    program's turn (``_turn``), issues both warpgroups' TMA copies (a tile's first turn stores, so the accumulator
+    needs no zeroing and the first add reads nothing; later turns add), and once they have landed raises the counter
     and releases the staging buffers (the consumers run up to two tiles ahead). So every run adds in the same order:
     dQ is bitwise reproducible. An add waits on its own program's earlier adds and on the adds at the same tile with
     an earlier turn, which ``_turn`` puts at earlier steps (or, at the same step, on blocks earlier in turn): that order
@@ -496,9 +497,13 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqle
         while seen < turn:
             seen = gl.min(_load_acquire(counter), axis=0)
         row0 = off_b * rows_per_batch + m
-        _tma_reduce_add(DQ, [row0, head * tile.HEAD_DIM], dq_smem.index(2 * buf))
-        _tma_reduce_add(DQ, [row0, head * tile.HEAD_DIM + HALF_D], dq_smem.index(2 * buf + 1))
-        _release(counter, lane)  # once both reduces have landed: count them, free their buffers
+        if turn == 0:
+            tma.async_copy_shared_to_global(DQ, [row0, head * tile.HEAD_DIM], dq_smem.index(2 * buf))
+            tma.async_copy_shared_to_global(DQ, [row0, head * tile.HEAD_DIM + HALF_D], dq_smem.index(2 * buf + 1))
+        else:
+            _tma_reduce_add(DQ, [row0, head * tile.HEAD_DIM], dq_smem.index(2 * buf))
+            _tma_reduce_add(DQ, [row0, head * tile.HEAD_DIM + HALF_D], dq_smem.index(2 * buf + 1))
+        _release(counter, lane)  # once both copies have landed: count them, free their buffers
         mbarrier.arrive(dq_empty.index(buf), count=1)
 
 
@@ -587,7 +592,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     contiguous; by TMA stores where ``stores_by_tma``, else from registers). A ``fused_dq`` tile also adds dS K (dQ
     without the scale) into ``dq_acc`` (float32 ``[B, Sq rounded up to the row tile, Hq, D]``, contiguous, zeroed by
     the caller); a ``dq_ordered`` one adds in a fixed order, counting the adds in ``dq_sem`` (int32 ``[B, Hq, row
-    tiles]``, zeroed). Returns ``(grid, Relaunch or None)``: with ``keep``, the
+    tiles]``, zeroed), and stores its first add to each row tile, so ``dq_acc`` needs zeroing only in the rows no
+    key block sees (causal, Sq > Sk). Returns ``(grid, Relaunch or None)``: with ``keep``, the
     launch kept for repeats with new arrays (``descriptors(q, k, v, do, dk, dv, tile), lse, delta, dk, dv,
     dq_descriptor(dq_acc, ...), semaphores(dq_sem, ...)``, placeholders where not fused or not ordered)."""
     if q.shape[-1] not in HEAD_DIMS:
