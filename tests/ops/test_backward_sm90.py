@@ -48,12 +48,11 @@ def test_table_routes_plain_half_d64_d128_d256():
 
 
 def test_table_fuses_dq_only_where_allowed(monkeypatch):
-    """dQ fused into the Gluon kernel with its adds in any order from BWD_FUSED_DQ_MIN_KEYS rows and keys (per head
-    dim and mask; below BWD_WS_MIN_KEYS too), only when the call allows any summation order
-    (``deterministic=False``); never below those lengths, without ws_ok, or with deterministic=True (the default)."""
+    """dQ fused into the Gluon kernel from BWD_FUSED_DQ_MIN_KEYS rows and keys (per head dim and mask; below
+    BWD_WS_MIN_KEYS too), only when the call allows any summation order (``deterministic=False``); never below those
+    lengths, without ws_ok, or with deterministic=True (the default)."""
     pick = lambda d=128, causal=False, n=16384, m=None, **kw: bwd_config(  # noqa: E731
-        d, d, torch.bfloat16, "cuda", causal=causal, seqlen_q=n if m is None else m, seqlen_k=n,
-        **{"ws_ok": True, "ordered_blocks": 132, **kw})
+        d, d, torch.bfloat16, "cuda", causal=causal, seqlen_q=n if m is None else m, seqlen_k=n, **{"ws_ok": True, **kw})
     assert set(BWD_FUSED_DQ_MIN_KEYS) == {64, 128}
     for d, lengths in BWD_FUSED_DQ_MIN_KEYS.items():
         for causal in (False, True):
@@ -65,18 +64,17 @@ def test_table_fuses_dq_only_where_allowed(monkeypatch):
             for kept in (pick(d, causal=causal, n=least), pick(d, causal=causal, n=least, deterministic=True),
                          pick(d, causal=causal, n=least - 1, deterministic=False),
                          pick(d, causal=causal, n=least, m=least - 1, deterministic=False)):
-                assert kept.dkdv != fused_dq_tile(d)  # (the ordered tile is still allowed: the next test's)
-    monkeypatch.setitem(BWD_WS_MIN_KEYS, 128, (32768, 32768))  # fused where the Triton tile would run otherwise
-    assert pick(n=16384, deterministic=False).dkdv == fused_dq_tile(128)
-    assert not pick(n=256).dkdv.gluon
+                assert not kept.dkdv.fused_dq
+    monkeypatch.setitem(BWD_WS_MIN_KEYS, 128, (4096, 4096))  # fused where the Triton tile would run otherwise
+    assert pick(n=1024, deterministic=False).dkdv == fused_dq_tile(128)
+    assert not pick(n=1024).dkdv.gluon
     assert not pick(ws_ok=False, deterministic=False).dkdv.gluon
 
 
 def test_table_orders_the_fused_dq_for_deterministic_calls(monkeypatch):
     """Deterministic calls take the fused kernel with its adds ordered (``dq_ordered``) from
     BWD_ORDERED_DQ_MIN_KEYS rows and keys, where the device runs all of a (batch, kv head)'s key blocks at once
-    (``ordered_blocks``); not below those lengths, with more key blocks, or when the device is unknown (0). Calls
-    that allow any order take it too below BWD_FUSED_DQ_MIN_KEYS, and the unordered tile where it cannot run."""
+    (``ordered_blocks``); not below those lengths, with more key blocks, or when the device is unknown (0)."""
     pick = lambda d=128, causal=False, n=16384, m=None, **kw: bwd_config(  # noqa: E731
         d, d, torch.bfloat16, "cuda", causal=causal, seqlen_q=n if m is None else m, seqlen_k=n,
         **{"ws_ok": True, "ordered_blocks": 132, **kw})
@@ -87,9 +85,7 @@ def test_table_orders_the_fused_dq_for_deterministic_calls(monkeypatch):
             assert pick(d, causal=causal, n=least).dkdv == fused_dq_tile(d, ordered=True) == replace(
                 _BWD_WS_DKDV[d], block_m=BWD_FUSED_DQ_ROWS[d], fused_dq=True, dq_ordered=True,
                 last_block_first=BWD_ORDERED_LAST_BLOCK_FIRST[d])
-            loose = least >= BWD_FUSED_DQ_MIN_KEYS[d][causal]
-            assert pick(d, causal=causal, n=least, deterministic=False).dkdv == fused_dq_tile(d, ordered=not loose)
-            assert pick(d, causal=causal, n=least, deterministic=False, ordered_blocks=0).dkdv == fused_dq_tile(d)
+            assert pick(d, causal=causal, n=least, deterministic=False).dkdv == fused_dq_tile(d)
             for kept in (pick(d, causal=causal, n=least - 1), pick(d, causal=causal, n=least, m=least - 1),
                          pick(d, causal=causal, n=least, ordered_blocks=0),
                          pick(d, causal=causal, n=max(least, 128 * 133), ordered_blocks=132)):

@@ -317,10 +317,10 @@ BWD_WS_MIN_KEYS = {64: (512, 512), 128: (512, 512), 256: (512, 512)}
 #   kernel scales dQ): at d = 128 the ordered tile now leads the unordered one (.devrun/bsweep12.py, two passes,
 #   N = 512 / 1024 / 2048 / 8192): non-causal 336.6 / 409-414 / 462-464 / 507-509 against 319.2 / 399-400 /
 #   442-452 / 500-501, causal 223.4 / 324-325 / 403-406 / 505-506 against 213 / 314-316 / 395-398 / 499-501; at
-#   16384 (rows of 796ccf3) non-causal 525 against 517, causal 502 against 540. So at d = 128 calls that allow any
-#   order take the unordered tile from 16384 only, and the ordered one below (BWD_ORDERED_DQ_MIN_KEYS); d = 64 keeps
-#   the unordered tile (causal 2048: 333 against 309).
-BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 2048), 128: (16384, 16384)}
+#   16384 (rows of 796ccf3) non-causal 525 against 517, causal 502 against 540. The table still gives calls that
+#   allow any order the unordered tile (5a74f7e routed them to the ordered one below 16384; reverted, because its
+#   programs wait on each other and deterministic=False is the documented way around those waits, docs/limitations.md).
+BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 2048), 128: (512, 512)}
 # - The ordered fused dQ (session 21, NOTES v13): the same kernel with a writer warp that adds each dQ tile after the
 #   adds that precede it in a fixed order (per-tile counters), so dQ is bitwise reproducible and deterministic calls
 #   can take it. Non-causal key blocks start their row tiles spread apart (a tile's adds come steps apart); causal
@@ -358,7 +358,6 @@ BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 2048), 128: (16384, 16384)}
 #   ordered tile gives 336.6 non-causal and 223.4 causal against Gluon dK/dV + Triton dQ's 304-305 / 193-194 (cuDNN
 #   337-338 / 212): d = 128 from 512. d = 64 keeps its lengths (ordered 325 against 332-335 at non-causal 1024, 309
 #   against 300-308 at causal 2048).
-# Calls that allow any order take the ordered tile too, below BWD_FUSED_DQ_MIN_KEYS (where it leads).
 BWD_ORDERED_DQ_MIN_KEYS = {64: (2048, 4096), 128: (512, 512)}
 BWD_ORDERED_LAST_BLOCK_FIRST = {64: True, 128: False}
 
@@ -375,9 +374,8 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
                seqlen_k: int | None = None, deterministic: bool = True, ordered_blocks: int = 0) -> BwdConfig:
     """The tiles of a backward launch; ``ws_ok``: the Hopper dK/dV kernel can run it (``backward.ws_ok``);
     ``seqlen_q``/``seqlen_k``: query rows / keys per sequence (None: unknown, and the Hopper kernel is not taken);
-    ``deterministic``: only bitwise-reproducible tiles (a fused dQ only with ``dq_ordered``; other calls take the
-    unordered one where it leads, or where the ordered one cannot run); ``ordered_blocks``: the most key blocks a
-    ``dq_ordered`` launch may have on this device (``backward_sm90.ordered_blocks``)."""
+    ``deterministic``: only bitwise-reproducible tiles (a fused dQ only with ``dq_ordered``); ``ordered_blocks``:
+    the most key blocks a ``dq_ordered`` launch may have on this device (``backward_sm90.ordered_blocks``)."""
     if device_type != "cuda":
         return _BWD_INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
@@ -388,15 +386,13 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
     if ws is None:
         return cfg
     shortest = min(seqlen_q or 0, seqlen_k or 0)
-    unordered = not deterministic and head_dim in BWD_FUSED_DQ_MIN_KEYS
-    if unordered and shortest >= BWD_FUSED_DQ_MIN_KEYS[head_dim][causal]:
+    fused_from = BWD_FUSED_DQ_MIN_KEYS.get(head_dim)
+    if not deterministic and fused_from is not None and shortest >= fused_from[causal]:
         return replace(cfg, dkdv=fused_dq_tile(head_dim))
     ordered_from = BWD_ORDERED_DQ_MIN_KEYS.get(head_dim, (None, None))[causal]
-    if ordered_from is not None and shortest >= ordered_from:
-        if -(-seqlen_k // ws.block_n) <= ordered_blocks:
-            return replace(cfg, dkdv=fused_dq_tile(head_dim, ordered=True))
-        if unordered:  # more key blocks than the device holds at once: the ordered tile cannot run
-            return replace(cfg, dkdv=fused_dq_tile(head_dim))
+    if (deterministic and ordered_from is not None and shortest >= ordered_from
+            and -(-seqlen_k // ws.block_n) <= ordered_blocks):
+        return replace(cfg, dkdv=fused_dq_tile(head_dim, ordered=True))
     return cfg if shortest < BWD_WS_MIN_KEYS[head_dim][causal] else replace(cfg, dkdv=ws)
 
 
