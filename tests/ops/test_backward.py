@@ -243,7 +243,7 @@ def test_fused_dq_scaling_pass(d):
     dQ's dtype and strides (a strided view here), as torch rounds it; rows past Sq are padding and never read."""
     g = torch.Generator().manual_seed(d)
     acc = torch.randn(2, 64, 3, d, generator=g).to(DEVICE)
-    for dtype in (torch.float16, torch.float32):
+    for dtype in (torch.float16, torch.float32) + ((torch.bfloat16,) if DEVICE == "cuda" else ()):
         wide = torch.full((2, 50, 3, 2 * d), float("nan"), device=DEVICE, dtype=dtype)
         dq = wide[..., d:]
         B._scale_dq(acc, 0.3, dq)

@@ -246,7 +246,7 @@ for d, causal, fused, ordered, wide, rows in ((128, False, False, False, False, 
     ptx = compiled[0].asm["ptx"]
     print(d, ptx.count("wgmma.mma_async"), int("cp.reduce.async.bulk.tensor" in ptx),
           int("ld.acquire.gpu" in ptx and "red.release.gpu" in ptx),
-          int("cp.async.bulk.tensor.4d.global.shared" in ptx))
+          int("cp.async.bulk.tensor.4d.global.shared" in ptx), int("cp.async.bulk.tensor.2d.global.shared" in ptx))
 # one query row of one head: lse's batch stride is 1, an int Triton makes a constexpr (partition arguments must not be)
 q, k, lse = torch.randn(2, 1, 1, 64, dtype=torch.bfloat16), torch.randn(2, 3, 1, 64, dtype=torch.bfloat16), torch.randn(2, 1, 1)
 assert lse.stride(0) == 1
@@ -259,16 +259,16 @@ def test_kernel_compiles_for_sm90():
     """Gluon -> PTX -> cubin for sm_90: per warpgroup and row tile Sᵀ and dPᵀ (d / 16 wgmma each) and dV and dK
     (the tile's rows / 16 each: 128 for the fused dQ at d = 64 and in a plain 128-row case, 64 otherwise), nothing
     duplicated; fused_dq adds dQ's half (128 keys / 16 per 64 rows, in the loop and once after it for the last
-    tile) and its float32 TMA reduce-adds; dq_ordered the writer warp's acquiring counter loads and releasing adds
-    (and the same matmuls, in either causal launch order); dK and dV by TMA stores from 64-row tiles into outputs
+    tile) and its float32 TMA reduce-adds; dq_ordered the writer warp's acquiring counter loads and releasing adds,
+    and the 2-D TMA store of a row tile's first turn (and the same matmuls, in either causal launch order); dK and dV by TMA stores from 64-row tiles into outputs
     of q's dtype, from registers at d = 256, from 128-row tiles and into float32 outputs."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = ["128 48 0 0 1", "64 32 0 0 1", "128 80 1 0 1", "64 112 1 0 0", "256 80 0 0 0", "256 80 0 0 0",
-            "128 80 1 1 1", "64 112 1 1 0", "128 80 1 1 0", "64 48 0 0 0", "128 80 1 1 1", "tiny"]
+    rows = ["128 48 0 0 1 0", "64 32 0 0 1 0", "128 80 1 0 1 0", "64 112 1 0 0 0", "256 80 0 0 0 0", "256 80 0 0 0 0",
+            "128 80 1 1 1 1", "64 112 1 1 0 1", "128 80 1 1 0 1", "64 48 0 0 0 0", "128 80 1 1 1 1", "tiny"]
     assert out.stdout.split() == " ".join(rows).split(), out.stdout
 
 
@@ -347,11 +347,13 @@ def test_repeat_relaunches_bitwise(causal, d, fused, ordered, monkeypatch):
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(1, 700, 1300, 4, 2, 128), (2, 1300, 700, 4, 2, 128), (1, 1000, 1000, 4, 2, 64),
-                                   (2, 129, 17, 2, 2, 128)], ids=lambda s: "x".join(map(str, s)))
+                                   (2, 129, 17, 2, 2, 128), (1, 100, 60, 2, 2, 128), (1, 64, 1000, 2, 2, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_ordered_dq_needs_no_zeroed_accumulator(shape, causal, monkeypatch):
     """The ordered tile's first add to each row tile stores, so its float32 accumulator is not zeroed: filled with
-    NaN here, dQ comes out the same bits. (Causal rows above every key's diagonal, Sq > Sk, are seen by no key
-    block: that accumulator stays zeroed, and those rows' dQ is 0.)"""
+    NaN here past the row tiles no key block sees (causal, whole tiles above every key's diagonal), dQ comes out
+    the same bits, through the full path and a repeat. Shapes: Sk > Sq, Sq > Sk by more and by less than a row
+    tile, square, and one row tile under 8 key blocks (non-causal blocks then all start at it)."""
     b, sq, sk, hq, hkv, d = shape
     g = torch.Generator().manual_seed(sum(shape) + causal)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", torch.bfloat16)
@@ -363,14 +365,17 @@ def test_ordered_dq_needs_no_zeroed_accumulator(shape, causal, monkeypatch):
 
     def poisoned(dq, tile, causal, seqlen_k):
         acc, sem = made(dq, tile, causal, seqlen_k)
-        if not (causal and dq.shape[1] > seqlen_k):
-            acc.fill_(float("nan"))
+        unseen = max(sq - sk, 0) // tile.block_m * tile.block_m if causal else 0
+        assert not acc[:, :unseen].any()
+        acc[:, unseen:] = float("nan")
         return acc, sem
 
     monkeypatch.setattr(B, "_dq_accumulator", poisoned)
     monkeypatch.setattr(B, "_STEPS", {})
-    got = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg)
-    assert all(torch.equal(x, y) for x, y in zip(got, want))
+    for _ in range(2):  # the full path, then a repeat of its kept launches
+        got = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg)
+        assert all(torch.equal(x, y) for x, y in zip(got, want))
+    assert len(B._STEPS) == 1
     if causal and sq > sk:
         assert not want[0][:, : sq - sk].any()
 

@@ -354,9 +354,8 @@ BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 2048), 128: (512, 512)}
 #   ordered 390-392 non-causal and 282-283 causal against Gluon dK/dV + Triton dQ 364-372 / 274-278 (at 512: 302-304
 #   / 188 against 303-308 / 197-198): from 1024. d = 64 on 128-row tiles (above _BWD_WS_DKDV): non-causal from 2048
 #   (370 against Gluon dK/dV + Triton dQ's 358 in the same run), causal from 4096 (358-359 against 352-356).
-# - Session 24 (first adds stored, dQ scaled by a Triton kernel; .devrun/bsweep12.py, two passes): at N = 512 the
-#   ordered tile gives 336.6 non-causal and 223.4 causal against Gluon dK/dV + Triton dQ's 304-305 / 193-194 (cuDNN
-#   337-338 / 212): d = 128 from 512. d = 64 keeps its lengths (ordered 325 against 332-335 at non-causal 1024, 309
+# - Session 24 (first adds stored, dQ scaled by a Triton kernel; .devrun/bsweep12.py, the numbers above): at N = 512
+#   the ordered tile leads Gluon dK/dV + Triton dQ (304-305 / 193-194): d = 128 from 512. d = 64 keeps its lengths (ordered 325 against 332-335 at non-causal 1024, 309
 #   against 300-308 at causal 2048).
 BWD_ORDERED_DQ_MIN_KEYS = {64: (2048, 4096), 128: (512, 512)}
 BWD_ORDERED_LAST_BLOCK_FIRST = {64: True, 128: False}

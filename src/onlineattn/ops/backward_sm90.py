@@ -26,8 +26,9 @@ With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared
 issues dQ = dS K for half of dQ's columns over all 128 keys behind that tile's dV and dK, and adds the result into
 a float32 accumulator by a TMA reduce-add (``cp.reduce.async.bulk.tensor``). The programs' adds land in no fixed
 order, so the table takes that only for calls that allow it (``deterministic=False``). With ``dq_ordered`` the
-warpgroups stage their dQ tiles for a writer warp that adds them in a fixed order (``_dq_writer``, ``_turn``), and
-deterministic calls take it where it measured faster than the dQ kernel.
+warpgroups stage their dQ tiles for a writer warp that adds them in a fixed order (``_dq_writer``, ``_turn``; a row
+tile's first add is a TMA store, so that accumulator needs no zeroing), and deterministic calls take it where it
+measured faster than the dQ kernel. Either way a pass after the kernel scales the sum into dq (``backward.py``).
 """
 
 import functools
@@ -109,7 +110,7 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # With FUSED_DQ: each warpgroup's dQ columns of a row tile (float32, the dQ descriptor's box), staged for its TMA
-    # reduce; without, a few rows that go unused.
+    # copy (a reduce-add, or the ordered first turn's store); without, a few rows that go unused.
     # ORDERED: two such buffers per warpgroup (the writer warp holds one tile's while the next is staged), and
     # "dq_full" counts both warpgroups' halves staged, "dq_empty" the writer's release.
     staged_rows: gl.constexpr = BLOCK_M if FUSED_DQ else 8
@@ -535,14 +536,14 @@ def _turn(tile_of, mt, pid_n, n_tiles, seqlen_q, seqlen_k, tile):
 
 @gluon.jit
 def _load_acquire(ptrs):
-    """An acquiring load of int32 ``ptrs`` (then a proxy fence: the TMA reduces issued after it see what it saw)."""
+    """An acquiring load of int32 ``ptrs`` (then a proxy fence: the TMA copies issued after it see what it saw)."""
     return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];\n\tfence.proxy.async.global;", "=r,l",
                                      [ptrs], dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
 def _release(ptrs, lane):
-    """Wait until no bulk group is in flight in each lane (the reduces, issued by whichever lane was elected, have
+    """Wait until no bulk group is in flight in each lane (the copies, issued by whichever lane was elected, have
     landed), meet at a warp barrier, then lane 0 adds 1 to counter ``ptrs`` with release order."""
     gl.inline_asm_elementwise("{ .reg .pred p; cp.async.bulk.wait_group 0; bar.warp.sync -1; "
                               "fence.proxy.async.global; setp.eq.s32 p, $2, 0;\n\t"
