@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 def tma_aligned(*tensors) -> bool:
@@ -20,9 +21,6 @@ def tma_aligned(*tensors) -> bool:
         if x.data_ptr() % 16 or any(s * size % 16 for s in x.stride()[:-1]):
             return False
     return True
-
-
-LN2 = 0.6931471805599453
 
 
 @triton.jit

@@ -632,8 +632,9 @@ SCALE_ELEMENTS = 8192  # float32 values a program of the dQ scaling pass reads (
 
 def _scale_dq(dq_acc, scale: float, dq, keep: bool = False):
     """dQ = scale · the fused kernel's sum (its rows past Sq are padding), into dq (one pass over the accumulator;
-    torch.mul into another dtype runs a kernel that does not vectorise: 67 µs against 49 at d = 128, B·N = 16k, H = 16). Returns
-    ``(grid, Relaunch)``: with ``keep`` the Relaunch to repeat it (None where it cannot be kept), else None."""
+    torch.mul into another dtype runs a kernel that does not vectorise: 67 µs against 49 at d = 128, B·N = 16k,
+    H = 16). Returns ``(grid, Relaunch)``: with ``keep`` the Relaunch to repeat it (None where it cannot be kept),
+    else None."""
     b, sq, hq, d = dq.shape
     rows = b * sq * hq
     block_r = SCALE_ELEMENTS // d
