@@ -122,8 +122,12 @@ def test_kernel_compiles_for_sm90():
     the first QKᵀ (the program's first tile, and the hand-over's), QKᵀ and P·V in the key loop (tiles with a
     successor, and the last one) and the last P·V (the hand-over's, and the last tile's): 8 sites, so k = 16 per
     instruction gives 8 x (8 + 8) wgmma at d = 128 with 128-key blocks, 8 x (4 + 8) at d = 64, 8 x (16 + 4) at
-    d = 256 with 64-key blocks; the partitions' register split, and Q (one buffer, or two at d = 128), the table's
-    K/V stages and the two O staging buffers (64 rows by up to 128 columns each) within shared memory."""
+    d = 256 with 64-key blocks. Causal with Sq = Sk at 128-key blocks (HALF_DIAG), warpgroup 0's two tile ends
+    each add the half-width step (a QKᵀ of the head dim's k-steps over 64 keys and a whole P·V, ``_half_block``)
+    and take their last P·V over 64 keys (4 k-steps, not 8): 24 more wgmma at d = 128 (152) and 16 at d = 64
+    (112). Also the partitions' register split, and Q (one buffer, or two at
+    d = 128), the table's K/V stages and the two O staging buffers (64 rows by up to 128 columns each) within
+    shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
@@ -133,7 +137,8 @@ def test_kernel_compiles_for_sm90():
     assert len(lines) == 5 * 8, out.stdout
     for i, (d, causal) in enumerate(((128, "False"), (128, "True"), (64, "True"), (256, "False"), (128, "True"))):
         head, flag, wgmma, setmaxnreg, shared, stages, block_n, q_stages = lines[8 * i: 8 * i + 8]
-        assert (int(head), flag) == (d, causal) and int(wgmma) == {128: 128, 64: 96, 256: 160}[d]
+        half = {128: 24, 64: 16, 256: 0}[d] if causal == "True" else 0  # Sq = Sk: HALF_DIAG at 128-key blocks
+        assert (int(head), flag) == (d, causal) and int(wgmma) == {128: 128, 64: 96, 256: 160}[d] + half
         assert int(setmaxnreg) >= 2
         o_staging = 2 * 64 * min(d, 128) * 2
         q_bytes = int(q_stages) * 128 * d * 2
@@ -150,6 +155,8 @@ SHAPES = [  # b, sq, sk, hq, hkv
     (2, 300, 40, 4, 2),  # causal: the first two 128-row tiles see no key at all (no block launched)
     (1, 1000, 1000, 4, 4),  # 8 key blocks: the ring's stages wrap around
     (2, 513, 700, 6, 2),  # Sk > Sq, group of 3
+    (2, 300, 428, 4, 2),  # Sk - Sq = 128: causal takes HALF_DIAG at 128-key blocks; the last row tile has 44 rows
+    (1, 384, 128, 2, 2),  # Sq - Sk = 256: two row tiles see no key, the third only the diagonal block (HALF_DIAG)
 ]
 
 
@@ -187,6 +194,25 @@ def test_programs_hand_over_many_tiles(shape, q_stages, causal, d, monkeypatch):
     cfg = replace(_FWD_WS[causal][d], persistent=True, q_stages=q_stages)
     o, lse = _run_poisoned(q, k, v, causal, config=cfg)
     _check(q, k, v, causal, o, lse)
+
+
+def test_half_diagonal_holds_where_warpgroup_0_sees_half_the_diagonal_block():
+    """``half_diagonal``: causal, 128-key blocks over 128-row tiles, Sk - Sq a multiple of 128. Checked against the
+    kernel's tile walk (``_tile_coords``): there, every row of warpgroup 0 (a tile's first 64 rows) sees no key past
+    the first 64 of its tile's last key block, which it takes at half width."""
+    from onlineattn.ops.forward_sm90 import half_diagonal
+    cfg = _FWD_WS[True][128]
+    assert half_diagonal(512, 512, True, cfg) and half_diagonal(300, 428, True, cfg)
+    assert half_diagonal(384, 128, True, cfg)
+    assert not half_diagonal(512, 512, False, cfg) and not half_diagonal(500, 600, True, cfg)
+    assert not half_diagonal(512, 512, True, _FWD_WS[True][256])  # 64-key blocks: a block is one warpgroup's rows
+    for sq in range(1, 700, 7):
+        for sk in (sk for sk in range(1, 900) if half_diagonal(sq, sk, True, cfg)):
+            for m0 in range(0, sq, 128):
+                hi = min(sk, m0 + 128 + sk - sq)
+                last = (max(-(-hi // 128), 1) - 1) * 128  # the tile's last key block's first key
+                seen = min(sk - 1, min(m0 + 63, sq - 1) + sk - sq)  # the last key any row of warpgroup 0 sees
+                assert seen < last + 64, (sq, sk, m0)
 
 
 def test_programs_balance_the_causal_laps():

@@ -9,6 +9,10 @@ QKᵀ_j only and runs block j's softmax while the tensor cores still add the pre
 wgmma's A operand). The two warpgroups also overlap each other's softmax with their matmuls. Each consumer
 writes its rows of O through a shared-memory staging buffer by TMA stores that run on under its next tile.
 
+Under causal, when the diagonal falls on a 128-key block boundary (``half_diagonal``), warpgroup 0's rows see only
+the first 64 keys of their tile's last (diagonal) block: it takes that block's QKᵀ and P·V over those 64 keys
+(``_half_end``), a quarter of the block's matmul work and half of that warpgroup's softmax there.
+
 A program's tiles hand over: the next tile's first QKᵀ is issued right after this tile's last P·V and runs under
 this tile's epilogue. Q has ``q_stages`` buffers (a second lets the producer load the next tile's Q early).
 
@@ -57,10 +61,11 @@ class Tile:
     ORDERED: gl.constexpr  # with FUSED_DQ: the dQ adds in a fixed order (backward_sm90.py); the forward: False
     Q_STAGES: gl.constexpr  # the forward's Q buffers (two: the next tile's Q lands while this tile runs)
     TMA_OUT: gl.constexpr  # the dK/dV kernel stores dK and dV by TMA (backward_sm90.stores_by_tma)
+    HALF_DIAG: gl.constexpr  # the forward: warpgroup 0 takes its tiles' diagonal block at half width (half_diagonal)
 
     @gluon.constexpr_function
     def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False, ORDERED=False,
-                 Q_STAGES=1, TMA_OUT=False):
+                 Q_STAGES=1, TMA_OUT=False, HALF_DIAG=False):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -72,14 +77,17 @@ class Tile:
         self.ORDERED = gl.constexpr(ORDERED)
         self.Q_STAGES = gl.constexpr(Q_STAGES)
         self.TMA_OUT = gl.constexpr(TMA_OUT)
+        self.HALF_DIAG = gl.constexpr(HALF_DIAG)
 
 
 @gluon.jit
 def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
                               seqlen_q, seqlen_k, heads_q, group, qk_scale, num_tiles,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_STAGES: gl.constexpr):
-    """Programs take tiles ``pid, pid + programs, ...`` of ``num_tiles`` (one each when the grid covers them all)."""
+                              STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_STAGES: gl.constexpr,
+                              HALF_DIAG: gl.constexpr):
+    """Programs take tiles ``pid, pid + programs, ...`` of ``num_tiles`` (one each when the grid covers them all).
+    With ``HALF_DIAG`` warpgroup 0 takes each tile's diagonal block at half width (``_half_end``)."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -114,7 +122,8 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
     shape = (seqlen_q, seqlen_k, heads_q, num_tiles)
     consumer = smem + shape + (o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale)
     gl.warp_specialize([
-        (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES),)),
+        (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES,
+                                     HALF_DIAG=HALF_DIAG),)),
         (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES),)),
         (_producer, (q_desc, k_desc, v_desc) + smem + shape + (
             group, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES))),
@@ -203,19 +212,19 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
     p, m_i, l_i = _first_block(rings, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
     for t in range(gl.program_id(0) + programs, num_tiles, programs):  # t: the next tile
         acc = gl.zeros([64, D], gl.float32, layout=o_layout)
-        p, m_i, l_i, acc = _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale,
-                                   tile, s_layout, o_layout)
+        p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale,
+                                      tile, s_layout, o_layout)
         next_b, next_h, next_m0, next_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile)
         next_row0 = next_m0 + tile.WG * 64
-        p, m_i, l_i = _handover(rings, out, p, m_i, l_i, acc, it + n_blocks - 1, n + 1, off_b, off_h, row0,
+        p, m_i, l_i = _handover(rings, out, p_last, m_i, l_i, acc, it + n_blocks - 1, n + 1, off_b, off_h, row0,
                                 next_row0, next_blocks, seqlen_k, qk_scale, tile, s_layout, o_layout)
         it += n_blocks
         n += 1
         off_b, off_h, row0, n_blocks = next_b, next_h, next_row0, next_blocks
     acc = gl.zeros([64, D], gl.float32, layout=o_layout)
-    p, m_i, l_i, acc = _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale,
-                               tile, s_layout, o_layout)
-    acc, p_op = _last_pv(rings, p, acc, it + n_blocks - 1, tile, o_layout)
+    p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale,
+                                  tile, s_layout, o_layout)
+    acc, p_op = _last_pv(rings, p_last, acc, it + n_blocks - 1, tile, o_layout)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(v_empty.index((it + n_blocks - 1) % tile.STAGES), count=1)
     _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout, o_layout)
@@ -231,13 +240,27 @@ def _first_block(rings, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, til
 
 
 @gluon.jit
+def _rest(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile,
+          s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """A tile's blocks after its first, done up to the last one's softmax: ``_blocks``, or for warpgroup 0 with
+    HALF_DIAG ``_half_end``. Returns (the last block's P, m, l, acc): P as ``_last_pv`` takes it."""
+    if tile.HALF_DIAG and tile.WG == 0:
+        p, m_i, l_i, acc = _half_end(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale,
+                                     tile, s_layout, o_layout)
+    else:
+        p, m_i, l_i, acc = _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale,
+                                   tile, s_layout, o_layout, True)
+    return p, m_i, l_i, acc
+
+
+@gluon.jit
 def _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile,
-            s_layout: gl.constexpr, o_layout: gl.constexpr):
+            s_layout: gl.constexpr, o_layout: gl.constexpr, LAST_QK: gl.constexpr):
     """Key blocks 1 .. n_blocks - 1 of a tile whose block 0 is done up to its softmax (``p``; the tile's blocks are
     the ring's ``it``, ``it + 1``, ..., its Q buffer the run's ``n``-th): for block j, QKᵀ_j is issued, then
     P_{j-1}·V_{j-1}; block j's softmax runs once QKᵀ_j is done, while the tensor cores still add the previous block
-    (P stays in registers as wgmma's A operand). Q is released as soon as the tile's last QKᵀ is done. Returns
-    (p, m, l, acc) with the last block's P·V still to do."""
+    (P stays in registers as wgmma's A operand). With ``LAST_QK`` (no block of the tile follows) Q is released as
+    soon as the last of these QKᵀ is done. Returns (p, m, l, acc) with the last block's P·V still to do."""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_N: gl.constexpr = tile.BLOCK_N
@@ -260,7 +283,8 @@ def _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, 
         acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s,))  # QKᵀ_j, issued first, is done; P_{j-1}·V_{j-1} may still run
         mbarrier.arrive(k_empty.index(stage), count=1)
-        mbarrier.arrive(q_empty.index(slot), count=1, pred=j == n_blocks - 1)
+        if LAST_QK:
+            mbarrier.arrive(q_empty.index(slot), count=1, pred=j == n_blocks - 1)
         p, m_i, l_i, alpha = _softmax(s, m_i, l_i, j * BLOCK_N, rows, seqlen_k, diag, mask_from, qk_scale,
                                       tile.CAUSAL, BLOCK_N, s_layout)
         # p among the deps keeps this wait after the softmax in the generated code.
@@ -271,9 +295,69 @@ def _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, 
 
 
 @gluon.jit
+def _half_end(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile,
+              s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """Warpgroup 0 with HALF_DIAG: its rows see only the first 64 keys of their tile's last block (the diagonal
+    one), so that block's QKᵀ and P·V run over those 64 keys (``_half_block``); the blocks before it as in
+    ``_blocks``. A one-block tile's first QKᵀ ran whole: its P keeps its first 64 columns (the others are masked,
+    0). Returns (the last block's P as the A operand over those 64 keys, m, l, acc), its P·V still to do."""
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    dtype: gl.constexpr = rings[0].dtype
+    if n_blocks == 1:
+        left, right = p.to(dtype).reshape([64, 2, 64]).permute((0, 2, 1)).split()  # columns 0-63 and 64-127
+        p_op = gl.convert_layout(left, p_layout)
+    else:
+        p, m_i, l_i, acc = _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks - 1, seqlen_q, seqlen_k, qk_scale,
+                                   tile, s_layout, o_layout, False)
+        p_op, m_i, l_i, acc = _half_block(rings, p, m_i, l_i, acc, it + n_blocks - 1, n, row0,
+                                          (n_blocks - 1) * tile.BLOCK_N, seqlen_q, seqlen_k, qk_scale, tile,
+                                          s_layout, o_layout)
+    return p_op, m_i, l_i, acc
+
+
+@gluon.jit
+def _half_block(rings, p, m_i, l_i, acc, last, n, row0, start_n, seqlen_q, seqlen_k, qk_scale, tile,
+                s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """``_blocks``' step for a tile's last block (ring ``last``, keys from ``start_n``) at half width: QKᵀ over its
+    first 64 keys, then the previous block's P·V; that QKᵀ's softmax, Q released. Returns (P as the A operand over
+    the 64 keys, m, l, acc), its P·V still to do."""
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
+    D: gl.constexpr = tile.HEAD_DIM
+    BLOCK_N: gl.constexpr = tile.BLOCK_N
+    STAGES: gl.constexpr = tile.STAGES
+    h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    slot = n % tile.Q_STAGES
+    stage = last % STAGES
+    prev = (last - 1) % STAGES
+    mbarrier.wait(k_ready.index(stage), (last // STAGES) & 1)
+    k_t = k_smem.index(stage).reshape([BLOCK_N, D]).slice(0, 64).permute((1, 0))
+    s = warpgroup_mma(_q_rows(q_smem, slot, tile), k_t, gl.zeros([64, 64], gl.float32, layout=h_layout),
+                      use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((last - 1) // STAGES) & 1)
+    p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+    acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s,))
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    mbarrier.arrive(q_empty.index(slot), count=1)
+    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, h_layout))
+    p, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
+                                  gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)), start_n, rows, seqlen_k,
+                                  seqlen_k - seqlen_q, _mask_from(row0, seqlen_q, seqlen_k, tile), qk_scale,
+                                  tile.CAUSAL, 64, h_layout)
+    acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    m_i = gl.convert_layout(m_h, gl.SliceLayout(1, s_layout))
+    l_i = gl.convert_layout(l_h, gl.SliceLayout(1, s_layout))
+    return gl.convert_layout(p.to(q_smem.dtype), p_layout), m_i, l_i, acc
+
+
+@gluon.jit
 def _handover(rings, out, p, m_i, l_i, acc, last, n, off_b, off_h, row0, next_row0, next_blocks, seqlen_k,
               qk_scale, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """From a tile whose last block (ring index ``last``) is done up to its softmax to the next tile (the run's
+    """From a tile whose last block (ring index ``last``) is done up to its softmax (``p``, as ``_last_pv`` takes
+    it) to the next tile (the run's
     ``n``-th, its first block the ring's ``last + 1``): issue the last P·V, then the next tile's first QKᵀ; once
     the P·V is done, write this tile's output while that QKᵀ runs; then the next tile's first softmax. Returns the
     next tile's (p, m, l). (Issuing the QKᵀ after the output instead read the same or up to 4 % slower, NOTES v14.)"""
@@ -314,14 +398,20 @@ def _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, qk_scale
 
 @gluon.jit
 def _last_pv(rings, p, acc, last, tile, o_layout: gl.constexpr):
-    """Issue a tile's last P·V (ring index ``last``) without waiting for it: returns (acc, P as the A operand), both
-    for the wait's deps (the registers stay live until the wgmma has read them)."""
+    """Issue a tile's last P·V (ring index ``last``) without waiting for it: ``p`` the block's float32 P, or
+    (``_half_end``) the A operand already, over the block's first keys. Returns (acc, P as the A operand), both for
+    the wait's deps (the registers stay live until the wgmma has read them)."""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     stage = last % tile.STAGES
     mbarrier.wait(v_ready.index(stage), (last // tile.STAGES) & 1)
-    p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-    return warpgroup_mma(p_op, v_smem.index(stage).reshape([tile.BLOCK_N, tile.HEAD_DIM]), acc, is_async=True), p_op
+    if p.dtype == gl.float32:
+        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+        v = v_smem.index(stage).reshape([tile.BLOCK_N, tile.HEAD_DIM])
+    else:
+        p_op = p
+        v = v_smem.index(stage).reshape([tile.BLOCK_N, tile.HEAD_DIM]).slice(0, p.shape[1])
+    return warpgroup_mma(p_op, v, acc, is_async=True), p_op
 
 
 @gluon.jit
@@ -469,9 +559,15 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False)
         *descriptors(q, k, v, o, cfg), lse, lse.stride(0), lse.stride(1),
         sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=causal,
-        Q_STAGES=cfg.q_stages, num_warps=4,
+        Q_STAGES=cfg.q_stages, HALF_DIAG=half_diagonal(sq, sk, causal, cfg), num_warps=4,
     )
     return grid, kept
+
+
+def half_diagonal(seqlen_q: int, seqlen_k: int, causal: bool, cfg) -> bool:
+    """Whether warpgroup 0 takes each tile's diagonal block at half width: causal, with key blocks as long as the
+    tile's rows and the diagonal on a block boundary, so its 64 rows see at most the block's first 64 keys."""
+    return causal and cfg.block_n == cfg.block_m and (seqlen_k - seqlen_q) % cfg.block_n == 0
 
 
 @functools.lru_cache(maxsize=256)
