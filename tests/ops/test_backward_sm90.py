@@ -16,7 +16,7 @@ from onlineattn._mods import PLAIN
 from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import (
-    _BWD_WS_DKDV, BWD_FUSED_DQ_MIN_KEYS, BWD_FUSED_DQ_ROWS, BWD_ORDERED_DQ_MIN_KEYS, BWD_ORDERED_LAST_BLOCK_FIRST,
+    _BWD_WS_DKDV, _BWD_WS_DQ, BWD_FUSED_DQ_MIN_KEYS, BWD_FUSED_DQ_ROWS, BWD_ORDERED_DQ_MIN_KEYS, BWD_ORDERED_LAST_BLOCK_FIRST,
     BWD_WS_MIN_KEYS, bwd_config, fused_dq_tile,
 )
 from tests.ops.test_backward import _baseline_grads
@@ -28,16 +28,17 @@ gpu = pytest.mark.gpu
 
 
 def test_table_routes_plain_half_d64_d128_d256():
-    """d = 64, 128 and 256 in half precision from BWD_WS_MIN_KEYS rows and keys (per mask), beside the table's dQ tile;
-    never without ws_ok, below those lengths, with an unknown length, for other head dims or float32."""
+    """d = 64, 128 and 256 in half precision from BWD_WS_MIN_KEYS rows and keys (per mask), beside the table's dQ tile
+    (at d = 256 its own, _BWD_WS_DQ); never without ws_ok, below those lengths, with an unknown length, for other
+    head dims or float32."""
     pick = lambda d=128, dv=None, dtype=torch.bfloat16, causal=False, n=16384, m=None, **kw: bwd_config(  # noqa: E731
         d, dv or d, dtype, "cuda", causal=causal, seqlen_q=n if m is None else m, seqlen_k=n, **{"ws_ok": True, **kw})
     for d in (64, 128, 256):
         for causal in (False, True):
             least = BWD_WS_MIN_KEYS[d][causal]
             cfg = pick(d, causal=causal, n=least)
-            assert cfg.dkdv == _BWD_WS_DKDV[d] and cfg.dq == bwd_config(d, d, torch.bfloat16, "cuda",
-                                                                        causal=causal).dq
+            table_dq = bwd_config(d, d, torch.bfloat16, "cuda", causal=causal).dq
+            assert cfg.dkdv == _BWD_WS_DKDV[d] and cfg.dq == _BWD_WS_DQ.get(d, table_dq)
             assert not pick(d, causal=causal, n=least - 1).dkdv.gluon
             assert not pick(d, causal=causal, n=least, m=least - 1).dkdv.gluon
             assert not pick(d, causal=causal, n=None).dkdv.gluon
@@ -508,7 +509,8 @@ def test_other_dk_dv_are_stored_from_registers(d, monkeypatch):
 def test_table_takes_the_split_kernel_at_d256(monkeypatch):
     """Through the table at d = 256 from BWD_WS_MIN_KEYS: ws_ok holds, the Gluon dK/dV kernel launches over 64-key
     blocks (grid: key blocks x batch·kv heads), and its gradients equal those of the Triton dK/dV tile it replaces
-    (dK and dV bitwise: the same sums in the same order; dQ from the same dQ kernel)."""
+    (dK and dV bitwise: the same sums in the same order; dQ bitwise too, though its tile differs, _BWD_WS_DQ: each
+    row's key loop adds the same 16-key products in the same order)."""
     from onlineattn.ops import backward_sm90
 
     grids = []
