@@ -39,13 +39,14 @@ def test_table_routes_plain_half_d64_d128_d256():
             cfg = pick(d, causal=causal, n=least)
             table_dq = bwd_config(d, d, torch.bfloat16, "cuda", causal=causal).dq
             assert cfg.dkdv == _BWD_WS_DKDV[d] and cfg.dq == _BWD_WS_DQ.get(d, table_dq)
-            assert not pick(d, causal=causal, n=least - 1).dkdv.gluon
-            assert not pick(d, causal=causal, n=least, m=least - 1).dkdv.gluon
-            assert not pick(d, causal=causal, n=None).dkdv.gluon
+            for other in (pick(d, causal=causal, n=least - 1), pick(d, causal=causal, n=least, m=least - 1),
+                          pick(d, causal=causal, n=None), pick(d, causal=causal, n=least, ws_ok=False)):
+                assert not other.dkdv.gluon and other.dq == table_dq  # the other routes keep the table's dQ tile
     assert not pick(ws_ok=False).dkdv.gluon
     for d, dv in ((256, 128), (128, 64), (96, 96)):
         assert not pick(d, dv).dkdv.gluon
     assert not pick(dtype=torch.float32).dkdv.gluon
+    assert pick(256, dv=128).dq == bwd_config(256, 128, torch.bfloat16, "cuda").dq != _BWD_WS_DQ[256]
 
 
 def test_table_fuses_dq_only_where_allowed(monkeypatch):

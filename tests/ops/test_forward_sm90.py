@@ -99,12 +99,13 @@ triton.runtime.driver.set_active(Sm90NoLaunch())
 from onlineattn.ops import forward_sm90
 from dataclasses import replace
 from onlineattn.ops._configs import _FWD_WS
-for d, causal, dtype, q_stages in ((128, False, torch.bfloat16, 1), (128, True, torch.float16, 1),
-                                   (64, True, torch.bfloat16, 1), (256, False, torch.bfloat16, 1),
-                                   (128, True, torch.bfloat16, 2)):
+for d, causal, dtype, q_stages, sk in ((128, False, torch.bfloat16, 1, 300), (128, True, torch.float16, 1, 300),
+                                       (64, True, torch.bfloat16, 1, 300), (256, False, torch.bfloat16, 1, 300),
+                                       (128, True, torch.bfloat16, 2, 300), (128, True, torch.bfloat16, 1, 301),
+                                       (64, True, torch.bfloat16, 1, 301)):
     cfg = replace(_FWD_WS[causal][d], q_stages=q_stages)
     q = torch.randn(2, 300, 8, d, dtype=dtype)
-    k = torch.randn(2, 300, 2, d, dtype=dtype)
+    k = torch.randn(2, sk, 2, d, dtype=dtype)
     o, lse = torch.empty_like(q), torch.empty(2, 8, 300)
     compiled = []
     run = forward_sm90.attention_fwd_sm90_kernel.run
@@ -112,7 +113,7 @@ for d, causal, dtype, q_stages in ((128, False, torch.bfloat16, 1), (128, True, 
     forward_sm90.launch(q, k, k, o, lse, 0.1, causal, cfg)
     forward_sm90.attention_fwd_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
-    print(d, causal, ptx.count("wgmma.mma_async"), ptx.count("setmaxnreg"), compiled[0].metadata.shared,
+    print(d, causal, sk, ptx.count("wgmma.mma_async"), ptx.count("setmaxnreg"), compiled[0].metadata.shared,
           cfg.num_stages, cfg.block_n, cfg.q_stages)
 """
 
@@ -125,7 +126,8 @@ def test_kernel_compiles_for_sm90():
     d = 256 with 64-key blocks. Causal with Sq = Sk at 128-key blocks (HALF_DIAG), warpgroup 0's two tile ends
     each add the half-width step (a QKᵀ of the head dim's k-steps over 64 keys and a whole P·V, ``_half_block``)
     and take their last P·V over 64 keys (4 k-steps, not 8): 24 more wgmma at d = 128 (152) and 16 at d = 64
-    (112). Also the partitions' register split, and Q (one buffer, or two at
+    (112); with Sk = Sq + 1 (the diagonal off a block boundary) causal compiles without it. Also the partitions'
+    register split, and Q (one buffer, or two at
     d = 128), the table's K/V stages and the two O staging buffers (64 rows by up to 128 columns each) within
     shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -134,10 +136,11 @@ def test_kernel_compiles_for_sm90():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split()
-    assert len(lines) == 5 * 8, out.stdout
-    for i, (d, causal) in enumerate(((128, "False"), (128, "True"), (64, "True"), (256, "False"), (128, "True"))):
-        head, flag, wgmma, setmaxnreg, shared, stages, block_n, q_stages = lines[8 * i: 8 * i + 8]
-        half = {128: 24, 64: 16, 256: 0}[d] if causal == "True" else 0  # Sq = Sk: HALF_DIAG at 128-key blocks
+    assert len(lines) == 7 * 9, out.stdout
+    cases = ((128, "False"), (128, "True"), (64, "True"), (256, "False"), (128, "True"), (128, "True"), (64, "True"))
+    for i, (d, causal) in enumerate(cases):
+        head, flag, sk, wgmma, setmaxnreg, shared, stages, block_n, q_stages = lines[9 * i: 9 * i + 9]
+        half = {128: 24, 64: 16}[d] if causal == "True" and sk == "300" else 0  # Sq = Sk: HALF_DIAG (128-key blocks)
         assert (int(head), flag) == (d, causal) and int(wgmma) == {128: 128, 64: 96, 256: 160}[d] + half
         assert int(setmaxnreg) >= 2
         o_staging = 2 * 64 * min(d, 128) * 2
@@ -197,9 +200,9 @@ def test_programs_hand_over_many_tiles(shape, q_stages, causal, d, monkeypatch):
 
 
 def test_half_diagonal_holds_where_warpgroup_0_sees_half_the_diagonal_block():
-    """``half_diagonal``: causal, 128-key blocks over 128-row tiles, Sk - Sq a multiple of 128. Checked against the
-    kernel's tile walk (``_tile_coords``): there, every row of warpgroup 0 (a tile's first 64 rows) sees no key past
-    the first 64 of its tile's last key block, which it takes at half width."""
+    """``half_diagonal``: causal, 128-key blocks over 128-row tiles, Sk - Sq a multiple of 128. Checked against a
+    Python walk of the kernel's tiles (as ``_tile_coords`` takes them): there, every row of warpgroup 0 (a tile's
+    first 64 rows) sees no key past the first 64 of its tile's last key block, which it takes at half width."""
     from onlineattn.ops.forward_sm90 import half_diagonal
     cfg = _FWD_WS[True][128]
     assert half_diagonal(512, 512, True, cfg) and half_diagonal(300, 428, True, cfg)

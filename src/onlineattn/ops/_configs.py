@@ -283,6 +283,10 @@ _BWD_FP32_D256 = BwdConfig(BwdTile(16, 16, 4, 1), BwdTile(16, 16, 4, 1))
 _BWD_WS_DKDV = {64: BwdTile(64, 128, 4, 2, tma=True, gluon=True), 128: BwdTile(64, 128, 4, 2, tma=True, gluon=True),
                 256: BwdTile(64, 64, 4, 2, tma=True, gluon=True)}
 BWD_FUSED_DQ_ROWS = {64: 128, 128: 64}  # the row tiles of the Gluon dK/dV tiles that fuse dQ (ordered or not)
+#   Session 23 (.devrun/bsweep9.py, two passes, with the TMA stores of NOTES v14), causal N = 512: d = 64 180-182
+#   against the Triton tile's 172, d = 128 197-198 against 193-194; at causal 1024 d = 128 274-278 against 267-270. So
+#   from 512 at every head dim, both masks.
+BWD_WS_MIN_KEYS = {64: (512, 512), 128: (512, 512), 256: (512, 512)}
 # - The Triton dQ tile beside the Gluon dK/dV kernel at d = 256 (session 25, .devrun/bsweep256dq.py, two passes, whole
 #   backward, N = 512 / 1024 / 2048 / 4096 / 8192 / 16384): 128x32 w8 s3 TMA read causal 172.5 / 239.5-239.7 /
 #   296-301 / 327-328 / 365-367 / 379-386 and non-causal 263-265 / 329 / 346-361 / 383-385 / 388-395 / 398-402
@@ -290,11 +294,7 @@ BWD_FUSED_DQ_ROWS = {64: 128, 128: 64}  # the row tiles of the Gluon dK/dV tiles
 #   336-341 / 362-373 / 365-368 / 377-384 (+2-8 %); dq bitwise equal (the key loop adds the same 16-key products in
 #   the same order). 64x64 w4 s2 and 128x32 w8 s2 fell between or below. Only this route takes it: the variant
 #   launches keep the table's tile, whose shared memory they were sized for.
-_BWD_WS_DQ = {256: BwdTile(128, 32, 8, 3, True)}
-#   Session 23 (.devrun/bsweep9.py, two passes, with the TMA stores of NOTES v14), causal N = 512: d = 64 180-182
-#   against the Triton tile's 172, d = 128 197-198 against 193-194; at causal 1024 d = 128 274-278 against 267-270. So
-#   from 512 at every head dim, both masks.
-BWD_WS_MIN_KEYS = {64: (512, 512), 128: (512, 512), 256: (512, 512)}
+_BWD_WS_DQ = {256: BwdTile(128, 32, 8, 3, tma=True)}
 # - dQ fused into the Gluon dK/dV kernel (session 20, branch ws-fused-dq v3; the NOTES' v12): per row tile each
 #   warpgroup computes dQ's half of the columns from both warpgroups' dSᵀ (shared memory) one row tile behind, and
 #   adds it into a float32 accumulator by TMA reduce-add; no dQ kernel, so no recomputed QKᵀ and dO·Vᵀ (5 matmuls,

@@ -9,7 +9,8 @@ QKᵀ_j only and runs block j's softmax while the tensor cores still add the pre
 wgmma's A operand). The two warpgroups also overlap each other's softmax with their matmuls. Each consumer
 writes its rows of O through a shared-memory staging buffer by TMA stores that run on under its next tile.
 
-Under causal, when the diagonal falls on a 128-key block boundary (``half_diagonal``), warpgroup 0's rows see only
+Under causal, when the diagonal falls on a 128-key block boundary (``half_diagonal``; d = 64 and 128, as d = 256 runs
+64-key blocks), warpgroup 0's rows see only
 the first 64 keys of their tile's last (diagonal) block: it takes that block's QKᵀ and P·V over those 64 keys
 (``_half_end``), a quarter of the block's matmul work and half of that warpgroup's softmax there.
 
@@ -140,7 +141,8 @@ def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile):
     picks the count whose laps balance best (a length-major order balanced them too but lost more to L2, NOTES v12).
     A tile whose rows all sit above the causal diagonal (Sq > Sk) still takes key block 0, fully masked: its rows
     get o = 0 and lse = -inf like any row that sees no key (o is 0 · V there: NaN where that block of V holds inf or
-    NaN, as for any masked key of a computed block)."""
+    NaN, as for any masked key of a computed block; with HALF_DIAG warpgroup 0 multiplies only the block's first 64
+    keys' V)."""
     programs = gl.num_programs(0)
     lap = t // programs
     mirror = (lap % 2 == 1) & ((lap + 1) * programs <= num_tiles)
@@ -193,7 +195,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               seqlen_q, seqlen_k, heads_q, num_tiles, o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale, tile):
-    """One warpgroup: per tile, its 64 rows' online softmax over every key block (``_blocks``), then their output
+    """One warpgroup: per tile, its 64 rows' online softmax over every key block (``_rest``), then their output
     (by TMA, ``_store_o``) and log-sum-exp. Tiles hand over (``_handover``): the next tile's first QKᵀ is issued
     right after this tile's last P·V and runs under this tile's epilogue, so the tensor cores do not drain between
     tiles. ``it`` is the ring index of the tile's first key block, ``n`` the tile's place in the program's run."""
@@ -234,7 +236,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
 @gluon.jit
 def _first_block(rings, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout: gl.constexpr):
     """A program's first tile: wait for its Q and first K block, run QKᵀ and the block's softmax from an empty state.
-    Returns (p, m, l); P·V follows in ``_blocks`` or the hand-over."""
+    Returns (p, m, l); P·V follows in ``_rest`` or the hand-over."""
     s = _first_qk(rings, n, it, tile, s_layout)
     return _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
 
