@@ -14,7 +14,7 @@ from tests.ops.test_forward import _check, _check_rows, _inputs, _run_poisoned
 
 from onlineattn._mods import PLAIN
 from onlineattn.ops import forward as F
-from onlineattn.ops._configs import _FWD_WS, WS_CAUSAL_PERSISTENT_BELOW, WS_MIN_KEYS, fwd_config
+from onlineattn.ops._configs import _FWD_WS, _FWD_WS_SHORT, WS_CAUSAL_PERSISTENT_BELOW, WS_MIN_KEYS, fwd_config
 
 ROOT = Path(__file__).resolve().parents[2]
 sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
@@ -40,6 +40,11 @@ def test_table_routes_plain_half_d64_d128_d256():
             short_q = fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=64, seqlen_k=65536, ws_ok=True)
             assert not short_q.gluon  # short queries keep the Triton tiles (they pack a GQA group's rows)
     assert not _FWD_WS[True][64].persistent and pick(64, causal=True, sk=2048).persistent  # a length's choice
+    # Below WS_MIN_KEYS from 512, calls the kernel could run take _FWD_WS_SHORT's Triton tile where it has one.
+    assert pick(64, causal=True, sk=512) == pick(64, causal=True, sk=1023) == _FWD_WS_SHORT[64, True]
+    assert pick(64, causal=True, sk=511) == pick(64, causal=True, sk=512, ws_ok=False) == fwd_config(
+        64, 64, torch.bfloat16, True, "cuda")
+    assert pick(64, causal=True, sk=512, variants=True) != _FWD_WS_SHORT[64, True]
     assert not pick(sk=16384, ws_ok=False).gluon and not pick(sk=16384, variants=True).gluon
     for other in (pick(dv=64, sk=16384), pick(d=96, sk=16384), pick(d=32, sk=16384), pick(d=256, dv=128, sk=16384)):
         assert not other.gluon
@@ -249,6 +254,19 @@ def _busiest_least(num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n, sms)
         if best is None or busiest < best[0]:
             best = (busiest, count)
     return best[1]
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_short_causal_d64_takes_its_triton_tile(dtype):
+    """d = 64 causal between 512 and WS_MIN_KEYS rows and keys runs the Triton tile of _FWD_WS_SHORT through the
+    table: 700 rows (11 row tiles, the last partial) over 700 and 828 keys, GQA 4:2, against the oracle."""
+    for sk in (700, 828):
+        q, k, v = _inputs(2, 700, sk, 4, 2, 64, 64, dtype, seed=sk, device="cuda")
+        assert fwd_config(64, 64, dtype, True, "cuda", seqlen_q=700, seqlen_k=sk, ws_ok=True) == _FWD_WS_SHORT[64, True]
+        o, lse = _run_poisoned(q, k, v, True)
+        _check(q, k, v, True, o, lse)
 
 
 @gpu
