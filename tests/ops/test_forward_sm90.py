@@ -45,6 +45,8 @@ def test_table_routes_plain_half_d64_d128_d256():
     assert pick(64, causal=True, sk=511) == pick(64, causal=True, sk=512, ws_ok=False) == fwd_config(
         64, 64, torch.bfloat16, True, "cuda")
     assert pick(64, causal=True, sk=512, variants=True) != _FWD_WS_SHORT[64, True]
+    chunk = fwd_config(64, 64, torch.bfloat16, True, "cuda", seqlen_q=512, seqlen_k=32768, ws_ok=True)
+    assert chunk == fwd_config(64, 64, torch.bfloat16, True, "cuda")  # a short chunk over a long cache: unmeasured
     assert not pick(sk=16384, ws_ok=False).gluon and not pick(sk=16384, variants=True).gluon
     for other in (pick(dv=64, sk=16384), pick(d=96, sk=16384), pick(d=32, sk=16384), pick(d=256, dv=128, sk=16384)):
         assert not other.gluon
@@ -107,7 +109,7 @@ from onlineattn.ops._configs import _FWD_WS
 for d, causal, dtype, q_stages, sk in ((128, False, torch.bfloat16, 1, 300), (128, True, torch.float16, 1, 300),
                                        (64, True, torch.bfloat16, 1, 300), (256, False, torch.bfloat16, 1, 300),
                                        (128, True, torch.bfloat16, 2, 300), (128, True, torch.bfloat16, 1, 301),
-                                       (64, True, torch.bfloat16, 1, 301)):
+                                       (64, True, torch.bfloat16, 1, 301), (64, False, torch.bfloat16, 2, 300)):
     cfg = replace(_FWD_WS[causal][d], q_stages=q_stages)
     q = torch.randn(2, 300, 8, d, dtype=dtype)
     k = torch.randn(2, sk, 2, d, dtype=dtype)
@@ -141,11 +143,13 @@ def test_kernel_compiles_for_sm90():
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split()
-    assert len(lines) == 7 * 9, out.stdout
-    cases = ((128, "False"), (128, "True"), (64, "True"), (256, "False"), (128, "True"), (128, "True"), (64, "True"))
-    for i, (d, causal) in enumerate(cases):
+    cases = ((128, "False", 300), (128, "True", 300), (64, "True", 300), (256, "False", 300), (128, "True", 300),
+             (128, "True", 301), (64, "True", 301), (64, "False", 300))
+    assert len(lines) == len(cases) * 9, out.stdout
+    for i, (d, causal, keys) in enumerate(cases):
         head, flag, sk, wgmma, setmaxnreg, shared, stages, block_n, q_stages = lines[9 * i: 9 * i + 9]
-        half = {128: 24, 64: 16}[d] if causal == "True" and sk == "300" else 0  # Sq = Sk: HALF_DIAG (128-key blocks)
+        assert int(sk) == keys
+        half = {128: 24, 64: 16}[d] if causal == "True" and keys == 300 else 0  # Sq = Sk: HALF_DIAG (128-key blocks)
         assert (int(head), flag) == (d, causal) and int(wgmma) == {128: 128, 64: 96, 256: 160}[d] + half
         assert int(setmaxnreg) >= 2
         o_staging = 2 * 64 * min(d, 128) * 2
@@ -259,13 +263,19 @@ def _busiest_least(num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n, sms)
 @gpu
 @sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_short_causal_d64_takes_its_triton_tile(dtype):
+def test_short_causal_d64_takes_its_triton_tile(dtype, monkeypatch):
     """d = 64 causal between 512 and WS_MIN_KEYS rows and keys runs the Triton tile of _FWD_WS_SHORT through the
-    table: 700 rows (11 row tiles, the last partial) over 700 and 828 keys, GQA 4:2, against the oracle."""
+    table (the launch records it): 700 rows over 700 and 828 keys, GQA 4:2 (1400 packed rows a kv head, the last
+    64-row tile partial), against the oracle."""
+    tiles = []
+    launch = F._launch
+    monkeypatch.setattr(F, "_launch", lambda *a, **kw: tiles.append(a[7]) or launch(*a, **kw))
+    monkeypatch.setattr(F, "_STEPS", {})
     for sk in (700, 828):
         q, k, v = _inputs(2, 700, sk, 4, 2, 64, 64, dtype, seed=sk, device="cuda")
-        assert fwd_config(64, 64, dtype, True, "cuda", seqlen_q=700, seqlen_k=sk, ws_ok=True) == _FWD_WS_SHORT[64, True]
+        assert F.ws_ok(q, k, v, 64 ** -0.5, PLAIN)
         o, lse = _run_poisoned(q, k, v, True)
+        assert tiles.pop() == _FWD_WS_SHORT[64, True]
         _check(q, k, v, True, o, lse)
 
 

@@ -116,11 +116,13 @@ _WS_TILE_D128 = replace(_WS_TILE, num_stages=2)
 #     521-527 / 577-584, Triton 210 / 312 / 384-389 / 435-438 / 477-489.
 #   A static persistent schedule loses where causal tiles are long and unequal; below that it hides each tile's
 #   prologue and epilogue. So causal launches run persistent below WS_CAUSAL_PERSISTENT_BELOW rows and keys, one
-#   program per tile from there, and d = 64 takes the Gluon kernel from 2048 (it led Triton there by 4-9 %).
+#   program per tile from there, and d = 64 takes the Gluon kernel from 2048 (it led Triton there by 4-9 %; from
+#   1024 since session 21, below).
 # - Two Q buffers at d = 64 non-causal (session 25, .devrun/fsweepq2.py, two passes; v14 had read 378-379 against
 #   369-370 at N = 512): N = 512 / 1024 / 2048 / 4096 375.5-377.5 / 418.8-421.3 / 421.8-427.5 / 450.6-451.2 against
 #   365.7-366.7 / 411.2-413.8 / 428.7-449.3 / 440.5-446.9; causal lost (316.6-318.5 / 382.8-390.5 / 405.8-409.1
-#   against 318.6-322 / 393.2-394 / 415.9-423.1 at 1024 / 2048 / 4096), so causal keeps one.
+#   against 318.6-322 / 393.2-394 / 415.9-423.1 at 1024 / 2048 / 4096), so causal keeps one. (At 2048 one buffer's
+#   two passes spread over 429-449 and two buffers read 422-428; the gain is at 512, 1024 and 4096.)
 _FWD_WS = {False: {64: replace(_WS_TILE, persistent=True, q_stages=2), 128: replace(_WS_TILE_D128, persistent=True),
                    256: replace(_WS_TILE_D256, persistent=True)},
            True: {64: _WS_TILE, 128: _WS_TILE_D128, 256: _WS_TILE_D256}}
@@ -143,12 +145,13 @@ _FWD_WS = {False: {64: replace(_WS_TILE, persistent=True, q_stages=2), 128: repl
 WS_MIN_KEYS = {64: (512, 1024), 128: (512, 512), 256: (512, 512)}
 # - Below WS_MIN_KEYS, calls the Gluon kernel could run take these Triton tiles from 512 rows and keys (session 25,
 #   .devrun/fsweeptri.py, two passes, d = 64 causal N = 512): 64x32 w4 s3 TMA 219.5-220.1 against the table's
-#   64x64 210.1-210.2 (64x64 s4 204-205, 128x64 w8 194, 64x128 164, 128x128 w8 135). Other launches (variants,
-#   no descriptors, shorter) keep the table's tiles.
+#   64x64 210.1-210.2 (64x64 s4 204-205, 128x64 w8 194, 64x128 164, 128x128 w8 135). Only where both lengths lie
+#   in that range (a short chunk over a long cache was not measured); other launches (variants, no descriptors,
+#   shorter) keep the table's tiles.
 _FWD_WS_SHORT = {(64, True): FwdConfig(64, 32, 4, 3, tma=True)}
 WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 16384, 256: 16384}
-_FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or at N <= 512 where the
-#                                              Gluon kernel cannot run (above)
+_FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or with Sq <= 512 where the
+#                                              Gluon kernel does not take the call (above)
 
 # fp32 tiles take twice the shared memory and run as ieee fp32 (exactness before speed): smaller tiles.
 _FWD_FP32 = {
@@ -182,7 +185,9 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
     shortest = min(seqlen_q or 0, seqlen_k or 0)
     if ws is not None and shortest >= WS_MIN_KEYS[head_dim][causal]:
         return replace(ws, persistent=True) if causal and shortest < WS_CAUSAL_PERSISTENT_BELOW[head_dim] else ws
-    if ws is not None and shortest >= 512 and (head_dim, causal) in _FWD_WS_SHORT:
+    longest = max(seqlen_q or 0, seqlen_k or 0)
+    if ws is not None and shortest >= 512 and longest < WS_MIN_KEYS[head_dim][causal] and (
+            (head_dim, causal) in _FWD_WS_SHORT):
         return _FWD_WS_SHORT[head_dim, causal]
     if padded == 256 and (variants or not tma_ok or (seqlen_q is not None and seqlen_q <= 512)):
         return _FWD_D256_SMALL
