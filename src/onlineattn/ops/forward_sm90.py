@@ -259,40 +259,54 @@ def _rest(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk
 def _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile,
             s_layout: gl.constexpr, o_layout: gl.constexpr, LAST_QK: gl.constexpr):
     """Key blocks 1 .. n_blocks - 1 of a tile whose block 0 is done up to its softmax (``p``; the tile's blocks are
-    the ring's ``it``, ``it + 1``, ..., its Q buffer the run's ``n``-th): for block j, QKᵀ_j is issued, then
-    P_{j-1}·V_{j-1}; block j's softmax runs once QKᵀ_j is done, while the tensor cores still add the previous block
-    (P stays in registers as wgmma's A operand). With ``LAST_QK`` (no block of the tile follows) Q is released as
-    soon as the last of these QKᵀ is done. Returns (p, m, l, acc) with the last block's P·V still to do."""
+    the ring's ``it``, ``it + 1``, ..., its Q buffer the run's ``n``-th), one ``_step`` each. With ``LAST_QK`` (no
+    block of the tile follows) Q is released as soon as the last of these QKᵀ is done. Returns (p, m, l, acc) with
+    the last block's P·V still to do."""
+    q = _q_rows(rings[0], n % tile.Q_STAGES, tile)
+    mask_from = _mask_from(row0, seqlen_q, seqlen_k, tile)
+    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
+    zero_s = gl.zeros([64, tile.BLOCK_N], gl.float32, layout=s_layout)
+    for j in range(1, n_blocks):
+        p, m_i, l_i, acc = _step(rings, q, p, m_i, l_i, acc, it + j, n, j, n_blocks, j * tile.BLOCK_N, rows,
+                                 zero_s, mask_from, seqlen_q, seqlen_k, qk_scale, tile, s_layout, o_layout, LAST_QK)
+    return p, m_i, l_i, acc
+
+
+@gluon.jit
+def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s, mask_from, seqlen_q, seqlen_k,
+          qk_scale, tile, s_layout: gl.constexpr, o_layout: gl.constexpr, RELEASE_Q: gl.constexpr):
+    """One key block (ring ``idx``, keys from ``start_n``, as many as ``zero_s`` has columns, in ``s_layout``) after
+    another whose
+    softmax is done (``p``, ring ``idx - 1``): QKᵀ is issued, then the previous block's P·V; this block's softmax runs
+    once QKᵀ is done, while the tensor cores still add the previous block (P stays in registers as wgmma's A
+    operand). With ``RELEASE_Q`` the tile's Q is released where this is the last (``j``-th of ``n_blocks``) block. Returns (p, m, l, acc) with this
+    block's P·V still to do."""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_N: gl.constexpr = tile.BLOCK_N
     STAGES: gl.constexpr = tile.STAGES
+    WIDTH: gl.constexpr = zero_s.shape[1]
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    slot = n % tile.Q_STAGES
-    q = _q_rows(q_smem, slot, tile)
-    diag = seqlen_k - seqlen_q
-    mask_from = _mask_from(row0, seqlen_q, seqlen_k, tile)
-    rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    zero_s = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
-    for j in range(1, n_blocks):
-        stage = (it + j) % STAGES
-        prev = (it + j - 1) % STAGES
-        mbarrier.wait(k_ready.index(stage), ((it + j) // STAGES) & 1)
-        s = warpgroup_mma(q, k_smem.index(stage).reshape([BLOCK_N, D]).permute((1, 0)), zero_s, use_acc=False,
-                          is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((it + j - 1) // STAGES) & 1)
-        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
-        s = warpgroup_mma_wait(1, deps=(s,))  # QKᵀ_j, issued first, is done; P_{j-1}·V_{j-1} may still run
-        mbarrier.arrive(k_empty.index(stage), count=1)
-        if LAST_QK:
-            mbarrier.arrive(q_empty.index(slot), count=1, pred=j == n_blocks - 1)
-        p, m_i, l_i, alpha = _softmax(s, m_i, l_i, j * BLOCK_N, rows, seqlen_k, diag, mask_from, qk_scale,
-                                      tile.CAUSAL, BLOCK_N, s_layout)
-        # p among the deps keeps this wait after the softmax in the generated code.
-        acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    stage = idx % STAGES
+    prev = (idx - 1) % STAGES
+    mbarrier.wait(k_ready.index(stage), (idx // STAGES) & 1)
+    k = k_smem.index(stage).reshape([BLOCK_N, D])
+    if WIDTH < BLOCK_N:
+        k = k.slice(0, WIDTH)
+    s = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+    mbarrier.wait(v_ready.index(prev), ((idx - 1) // STAGES) & 1)
+    p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+    acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s,))  # QKᵀ, issued first, is done; the previous P·V may still run
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    if RELEASE_Q:
+        mbarrier.arrive(q_empty.index(n % tile.Q_STAGES), count=1, pred=j == n_blocks - 1)
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, seqlen_k, seqlen_k - seqlen_q, mask_from, qk_scale,
+                                  tile.CAUSAL, WIDTH, s_layout)
+    # p among the deps keeps this wait after the softmax in the generated code.
+    acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
+    mbarrier.arrive(v_empty.index(prev), count=1)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     return p, m_i, l_i, acc
 
 
@@ -320,39 +334,20 @@ def _half_end(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k
 @gluon.jit
 def _half_block(rings, p, m_i, l_i, acc, last, n, row0, start_n, seqlen_q, seqlen_k, qk_scale, tile,
                 s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """``_blocks``' step for a tile's last block (ring ``last``, keys from ``start_n``) at half width: QKᵀ over its
-    first 64 keys, then the previous block's P·V; that QKᵀ's softmax, Q released. Returns (P as the A operand over
-    the 64 keys, m, l, acc), its P·V still to do."""
-    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
-    D: gl.constexpr = tile.HEAD_DIM
-    BLOCK_N: gl.constexpr = tile.BLOCK_N
-    STAGES: gl.constexpr = tile.STAGES
+    """``_step`` for a tile's last block (ring ``last``, keys from ``start_n``) at half width: QKᵀ over its first 64
+    keys, Q released. Returns (P as the A operand over the 64 keys, m, l, acc), its P·V still to do."""
     h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    slot = n % tile.Q_STAGES
-    stage = last % STAGES
-    prev = (last - 1) % STAGES
-    mbarrier.wait(k_ready.index(stage), (last // STAGES) & 1)
-    k_t = k_smem.index(stage).reshape([BLOCK_N, D]).slice(0, 64).permute((1, 0))
-    s = warpgroup_mma(_q_rows(q_smem, slot, tile), k_t, gl.zeros([64, 64], gl.float32, layout=h_layout),
-                      use_acc=False, is_async=True)
-    mbarrier.wait(v_ready.index(prev), ((last - 1) // STAGES) & 1)
-    p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-    acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
-    s = warpgroup_mma_wait(1, deps=(s,))
-    mbarrier.arrive(k_empty.index(stage), count=1)
-    mbarrier.arrive(q_empty.index(slot), count=1)
+    q = _q_rows(rings[0], n % tile.Q_STAGES, tile)
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, h_layout))
-    p, m_h, l_h, alpha = _softmax(s, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
-                                  gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)), start_n, rows, seqlen_k,
-                                  seqlen_k - seqlen_q, _mask_from(row0, seqlen_q, seqlen_k, tile), qk_scale,
-                                  tile.CAUSAL, 64, h_layout)
-    acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
-    mbarrier.arrive(v_empty.index(prev), count=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    zero_h = gl.zeros([64, 64], gl.float32, layout=h_layout)
+    p, m_h, l_h, acc = _step(rings, q, p, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
+                             gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)), acc, last, n, 0, 1, start_n, rows,
+                             zero_h, _mask_from(row0, seqlen_q, seqlen_k, tile), seqlen_q, seqlen_k, qk_scale, tile,
+                             h_layout, o_layout, True)
     m_i = gl.convert_layout(m_h, gl.SliceLayout(1, s_layout))
     l_i = gl.convert_layout(l_h, gl.SliceLayout(1, s_layout))
-    return gl.convert_layout(p.to(q_smem.dtype), p_layout), m_i, l_i, acc
+    return gl.convert_layout(p.to(rings[0].dtype), p_layout), m_i, l_i, acc
 
 
 @gluon.jit
