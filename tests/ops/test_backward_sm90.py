@@ -17,7 +17,7 @@ from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import (
     _BWD_WS_DKDV, _BWD_WS_DQ, BWD_FUSED_DQ_MIN_KEYS, BWD_FUSED_DQ_ROWS, BWD_ORDERED_DQ_MIN_KEYS, BWD_ORDERED_LAST_BLOCK_FIRST,
-    BWD_WS_MIN_KEYS, bwd_config, fused_dq_tile,
+    BWD_EARLY_DV, BWD_WS_MIN_KEYS, bwd_config, fused_dq_tile,
 )
 from tests.ops.test_backward import _baseline_grads
 
@@ -60,8 +60,8 @@ def test_table_fuses_dq_only_where_allowed(monkeypatch):
         for causal in (False, True):
             least = lengths[causal]
             fused = pick(d, causal=causal, n=least, deterministic=False)
-            assert fused.dkdv == fused_dq_tile(d) == replace(_BWD_WS_DKDV[d], block_m=BWD_FUSED_DQ_ROWS[d],
-                                                             fused_dq=True)
+            assert fused.dkdv == fused_dq_tile(d, causal=causal) == replace(
+                _BWD_WS_DKDV[d], block_m=BWD_FUSED_DQ_ROWS[d], fused_dq=True, early_dv=BWD_EARLY_DV[d][causal])
             assert fused.dq == bwd_config(d, d, torch.bfloat16, "cuda", causal=causal).dq  # unused: no dQ kernel
             for kept in (pick(d, causal=causal, n=least), pick(d, causal=causal, n=least, deterministic=True),
                          pick(d, causal=causal, n=least - 1, deterministic=False),
@@ -80,14 +80,15 @@ def test_table_orders_the_fused_dq_for_deterministic_calls(monkeypatch):
     pick = lambda d=128, causal=False, n=16384, m=None, **kw: bwd_config(  # noqa: E731
         d, d, torch.bfloat16, "cuda", causal=causal, seqlen_q=n if m is None else m, seqlen_k=n,
         **{"ws_ok": True, "ordered_blocks": 132, **kw})
-    assert set(BWD_ORDERED_DQ_MIN_KEYS) == set(BWD_ORDERED_LAST_BLOCK_FIRST) == set(BWD_FUSED_DQ_ROWS) == {64, 128}
+    assert set(BWD_ORDERED_DQ_MIN_KEYS) == set(BWD_ORDERED_LAST_BLOCK_FIRST) == set(BWD_FUSED_DQ_ROWS) == set(
+        BWD_EARLY_DV) == {64, 128}
     for d, lengths in BWD_ORDERED_DQ_MIN_KEYS.items():
         for causal in (False, True):
             least = lengths[causal]
-            assert pick(d, causal=causal, n=least).dkdv == fused_dq_tile(d, ordered=True) == replace(
+            assert pick(d, causal=causal, n=least).dkdv == fused_dq_tile(d, ordered=True, causal=causal) == replace(
                 _BWD_WS_DKDV[d], block_m=BWD_FUSED_DQ_ROWS[d], fused_dq=True, dq_ordered=True,
-                last_block_first=BWD_ORDERED_LAST_BLOCK_FIRST[d])
-            assert pick(d, causal=causal, n=least, deterministic=False).dkdv == fused_dq_tile(d)
+                last_block_first=BWD_ORDERED_LAST_BLOCK_FIRST[d], early_dv=BWD_EARLY_DV[d][causal])
+            assert pick(d, causal=causal, n=least, deterministic=False).dkdv == fused_dq_tile(d, causal=causal)
             for kept in (pick(d, causal=causal, n=least - 1), pick(d, causal=causal, n=least, m=least - 1),
                          pick(d, causal=causal, n=least, ordered_blocks=0),
                          pick(d, causal=causal, n=max(least, 128 * 133), ordered_blocks=132)):
@@ -132,6 +133,9 @@ def test_gluon_tile_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="config: fused_dq runs at d = 64 and 128"):
         backward_sm90.launch_dkdv(q256, k256, k256, q256, lse, lse, k256, k256, 0.1, False,
                                   replace(_BWD_WS_DKDV[256], fused_dq=True), dq_acc=torch.zeros(1, 64, 2, 256))
+    with pytest.raises(ValueError, match="config: early_dv orders the d = 64 and 128"):
+        backward_sm90.launch_dkdv(q256, k256, k256, q256, lse, lse, k256, k256, 0.1, False,
+                                  replace(_BWD_WS_DKDV[256], early_dv=True))
     delta = torch.randn(1, 8, 2).transpose(1, 2)  # lse's shape, other strides: the kernel reads both with lse's
     with pytest.raises(ValueError, match="delta"):
         backward_sm90.launch_dkdv(q, k, v, do, lse, delta, k, v, 0.1, False, _BWD_WS_DKDV[128])
@@ -226,8 +230,8 @@ for d, causal, fused, ordered, wide, rows in ((128, False, False, False, False, 
                                               (256, True, False, False, False, 0), (256, False, False, False, False, 0),
                                               (128, False, True, True, False, 0), (64, True, True, True, False, 0),
                                               (128, True, True, True, True, 0), (64, True, False, False, False, 128),
-                                              (128, True, True, True, False, -1)):
-    tile = fused_dq_tile(d, ordered) if fused else _BWD_WS_DKDV[d]
+                                              (128, True, True, True, False, -1), (128, False, True, False, False, 0)):
+    tile = fused_dq_tile(d, ordered, causal) if fused else _BWD_WS_DKDV[d]
     if rows > 0:  # another row tile than the table's
         tile = replace(tile, block_m=rows)
     if rows < 0:  # the other causal launch order
@@ -248,7 +252,8 @@ for d, causal, fused, ordered, wide, rows in ((128, False, False, False, False, 
     ptx = compiled[0].asm["ptx"]
     print(d, ptx.count("wgmma.mma_async"), int("cp.reduce.async.bulk.tensor" in ptx),
           int("ld.acquire.gpu" in ptx and "red.release.gpu" in ptx),
-          int("cp.async.bulk.tensor.4d.global.shared" in ptx), int("cp.async.bulk.tensor.2d.global.shared" in ptx))
+          int("cp.async.bulk.tensor.4d.global.shared" in ptx), int("cp.async.bulk.tensor.2d.global.shared" in ptx),
+          int("wgmma.wait_group.sync.aligned 1;" in ptx))
 # one query row of one head: lse's batch stride is 1, an int Triton makes a constexpr (partition arguments must not be)
 q, k, lse = torch.randn(2, 1, 1, 64, dtype=torch.bfloat16), torch.randn(2, 3, 1, 64, dtype=torch.bfloat16), torch.randn(2, 1, 1)
 assert lse.stride(0) == 1
@@ -263,14 +268,16 @@ def test_kernel_compiles_for_sm90():
     duplicated; fused_dq adds dQ's half (128 keys / 16 per 64 rows, in the loop and once after it for the last
     tile) and its float32 TMA reduce-adds; dq_ordered the writer warp's acquiring counter loads and releasing adds,
     and the 2-D TMA store of a row tile's first turn (and the same matmuls, in either causal launch order); dK and dV by TMA stores from 64-row tiles into outputs
-    of q's dtype, from registers at d = 256, from 128-row tiles and into float32 outputs."""
+    of q's dtype, from registers at d = 256, from 128-row tiles and into float32 outputs; the fused tiles of d = 128
+    non-causal (``early_dv``, BWD_EARLY_DV) wait for Sᵀ with dPᵀ still in flight, no other tile does."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = ["128 48 0 0 1 0", "64 32 0 0 1 0", "128 80 1 0 1 0", "64 112 1 0 0 0", "256 80 0 0 0 0", "256 80 0 0 0 0",
-            "128 80 1 1 1 1", "64 112 1 1 0 1", "128 80 1 1 0 1", "64 48 0 0 0 0", "128 80 1 1 1 1", "tiny"]
+    rows = ["128 48 0 0 1 0 0", "64 32 0 0 1 0 0", "128 80 1 0 1 0 0", "64 112 1 0 0 0 0", "256 80 0 0 0 0 0",
+            "256 80 0 0 0 0 0", "128 80 1 1 1 1 1", "64 112 1 1 0 1 0", "128 80 1 1 0 1 0", "64 48 0 0 0 0 0",
+            "128 80 1 1 1 1 0", "128 80 1 0 1 0 1", "tiny"]
     assert out.stdout.split() == " ".join(rows).split(), out.stdout
 
 
@@ -457,7 +464,8 @@ def test_ordered_dq_is_bitwise_reproducible(shape, causal):
     blocks start a non-power-of-two number of tiles apart), and stays within the summation order of the dQ kernel's
     result; causal dK and dV are that kernel's bitwise (the same sums in the same order), non-causal ones within
     their summation order (each key block's row tiles in rotated order). Causal programs launched last key block
-    first (``last_block_first``) give the same bits as launched block 0 first: the launch order moves no add."""
+    first (``last_block_first``) give the same bits as launched block 0 first: the launch order moves no add; nor
+    does the order of a warpgroup's matmuls (``early_dv`` on and off)."""
     b, sq, sk, hq, hkv, d = shape
     g = torch.Generator().manual_seed(sq + sk + causal)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", torch.bfloat16)
@@ -469,6 +477,8 @@ def test_ordered_dq_is_bitwise_reproducible(shape, causal):
     if causal:
         flipped = replace(ordered.dkdv, last_block_first=not ordered.dkdv.last_block_first)
         runs.append(B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=replace(ordered, dkdv=flipped)))
+    reordered = replace(ordered.dkdv, early_dv=not ordered.dkdv.early_dv)
+    runs.append(B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=replace(ordered, dkdv=reordered)))
     for again in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], again))
     kernel = B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=replace(base, dkdv=_BWD_WS_DKDV[d]))

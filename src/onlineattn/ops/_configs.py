@@ -213,6 +213,8 @@ class BwdTile:
     dq_ordered: bool = False  # fused_dq only: the adds go in a fixed order (per-tile counters, a writer warp), so dQ
     #                           is deterministic; needs every key block of a (batch, kv head) resident at once
     last_block_first: bool = False  # dq_ordered only: causal programs launch from the last key block (block 0 last)
+    early_dv: bool = False  # gluon at d = 64/128 only: per row tile Sᵀ is waited for alone and dV's product issued
+    #                         before dPᵀ is waited for (the same products in the same order: the same bits)
 
 
 @dataclass(frozen=True)
@@ -383,12 +385,22 @@ BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 2048), 128: (512, 512)}
 #   against 300-308 at causal 2048).
 BWD_ORDERED_DQ_MIN_KEYS = {64: (2048, 4096), 128: (512, 512)}
 BWD_ORDERED_LAST_BLOCK_FIRST = {64: True, 128: False}
+# - early_dv on the fused tiles (session 26, NOTES v18; .devrun/bsweep26.py, three passes alternated with main, whole
+#   backward through the table, TFLOP/s at N = 1024 / 4096 / 16384), d = 128 non-causal: ordered 425-429 / 515-521 /
+#   537-540 against 416-422 / 502 / 524-526, unordered 416-419 / 511-512 / 531-543 against 406-407 / 486-491 /
+#   517-519; causal lost at 1024 and 4096 (ordered 312-321 / 453-463 against 318-327 / 473-485; unordered 307-308 /
+#   450 against 317 / 459-464) and gained at 16384 (ordered 510-513 against 499-500). d = 64 non-causal: the plain
+#   64-row tile lost at 1024 (326-330 against 341-347), the 128-row fused ones tied at 4096 (ordered 432-439 against
+#   431-433, unordered 442-447 against 437-441). Per head dim, (non-causal, causal); the plain tiles keep the order.
+BWD_EARLY_DV = {64: (False, False), 128: (True, False)}
 
 
-def fused_dq_tile(head_dim: int, ordered: bool = False) -> BwdTile:
+def fused_dq_tile(head_dim: int, ordered: bool = False, causal: bool = False) -> BwdTile:
     """The Gluon dK/dV tile that fuses dQ at ``head_dim`` (64 or 128): on BWD_FUSED_DQ_ROWS row tiles, its adds in
-    no fixed order, or with ``ordered`` in a fixed one, launched as BWD_ORDERED_LAST_BLOCK_FIRST says."""
-    tile = replace(_BWD_WS_DKDV[head_dim], block_m=BWD_FUSED_DQ_ROWS[head_dim], fused_dq=True)
+    no fixed order, or with ``ordered`` in a fixed one, launched as BWD_ORDERED_LAST_BLOCK_FIRST says; its matmuls
+    in the order BWD_EARLY_DV gives for the mask."""
+    tile = replace(_BWD_WS_DKDV[head_dim], block_m=BWD_FUSED_DQ_ROWS[head_dim], fused_dq=True,
+                   early_dv=BWD_EARLY_DV[head_dim][causal])
     return replace(tile, dq_ordered=True, last_block_first=BWD_ORDERED_LAST_BLOCK_FIRST[head_dim]) if ordered else tile
 
 
@@ -411,11 +423,11 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
     shortest = min(seqlen_q or 0, seqlen_k or 0)
     fused_from = BWD_FUSED_DQ_MIN_KEYS.get(head_dim)
     if not deterministic and fused_from is not None and shortest >= fused_from[causal]:
-        return replace(cfg, dkdv=fused_dq_tile(head_dim))
+        return replace(cfg, dkdv=fused_dq_tile(head_dim, causal=causal))
     ordered_from = BWD_ORDERED_DQ_MIN_KEYS.get(head_dim, (None, None))[causal]
     if (deterministic and ordered_from is not None and shortest >= ordered_from
             and -(-seqlen_k // ws.block_n) <= ordered_blocks):
-        return replace(cfg, dkdv=fused_dq_tile(head_dim, ordered=True))
+        return replace(cfg, dkdv=fused_dq_tile(head_dim, ordered=True, causal=causal))
     if shortest < BWD_WS_MIN_KEYS[head_dim][causal]:
         return cfg
     return replace(cfg, dkdv=ws, dq=_BWD_WS_DQ.get(head_dim, cfg.dq))

@@ -13,7 +13,9 @@ warpgroup computes, in registers,
     dV += Pᵀ dO and dK += dSᵀ Q         (Pᵀ and dSᵀ as wgmma's register A operand)
 
 (at d = 256 each warpgroup computes Sᵀ and dPᵀ for half of the tile's rows and writes its Pᵀ and dSᵀ halves to
-shared memory, from where both warpgroups' dV and dK products read them),
+shared memory, from where both warpgroups' dV and dK products read them; at d = 64 and 128 with ``early_dv``, the
+table's choice per head dim and mask, Sᵀ is waited for alone, Pᵀ computed while dPᵀ's wgmma runs, and dV's product
+issued before dPᵀ is waited for, so dSᵀ is computed while it runs: the same products in the same order),
 
 and the group's sum of dK and dV stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton
 kernel, whose delta pass and dQ kernel this one runs beside. dK and dV leave by TMA stores from two Q/dO stages,
@@ -70,7 +72,7 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
                                    sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                                    STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
                                    FUSED_DQ: gl.constexpr, ORDERED: gl.constexpr, TMA_OUT: gl.constexpr,
-                                   LAST_BLOCK_FIRST: gl.constexpr):
+                                   LAST_BLOCK_FIRST: gl.constexpr, EARLY_DV: gl.constexpr):
     pid_n = gl.program_id(0)
     if LAST_BLOCK_FIRST:  # ORDERED causal: a tile's adds come from the last key blocks first (_turn)
         pid_n = gl.num_programs(0) - 1 - pid_n
@@ -168,18 +170,18 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
             Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED),)
         gl.warp_specialize([
             (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED,
-                                         TMA_OUT=TMA_OUT),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV),)),
             (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED,
-                                         TMA_OUT=TMA_OUT),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV),)),
             (_producer, loads),
             (_dq_writer, writer),
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
             (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ,
-                                         TMA_OUT=TMA_OUT),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV),)),
             (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ,
-                                         TMA_OUT=TMA_OUT),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV),)),
             (_producer, loads),
         ], [4, 1], [240, 24])
 
@@ -256,7 +258,10 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         do = do_smem.index(stage).reshape([BLOCK_M, D])
         st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-        st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
+        if tile.EARLY_DV:  # Pᵀ while dPᵀ's wgmma runs
+            st = warpgroup_mma_wait(1, deps=(st,))
+        else:
+            st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
         lse = lse_smem.index(stage).load(gl.SliceLayout(0, st_layout))
         pt = gl.exp2(st * qk_scale - lse[None, :])
         if tile.CAUSAL:
@@ -266,8 +271,13 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         if tile.FUSED_DQ:
             if partial:
                 pt = gl.where(keys[:, None] < seqlen_k, pt, 0.0)
+        if tile.EARLY_DV:  # dV's product issued before dPᵀ is waited for: dSᵀ while it runs
+            pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+            dv = warpgroup_mma(pt_op, do, dv, is_async=True)
+            dpt = warpgroup_mma_wait(1, deps=(dpt,))
         dst = pt * (dpt - delta_smem.index(stage).load(gl.SliceLayout(0, st_layout))[None, :])
-        pt_op = gl.convert_layout(pt.to(dtype), a_layout)
+        if not tile.EARLY_DV:
+            pt_op = gl.convert_layout(pt.to(dtype), a_layout)
         dst_op = gl.convert_layout(dst.to(dtype), a_layout)
         if tile.FUSED_DQ:
             buf = t % 2  # this tile's dSᵀ, once both warpgroups have read the buffer's last tile (two tiles ago)
@@ -275,7 +285,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
             ds_smem.index(buf).slice(tile.WG * 64, 64).store(dst.to(dtype))
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(buf), count=1)
-        dv = warpgroup_mma(pt_op, do, dv, is_async=True)
+        if not tile.EARLY_DV:
+            dv = warpgroup_mma(pt_op, do, dv, is_async=True)
         dk = warpgroup_mma(dst_op, q, dk, is_async=True)
         if tile.FUSED_DQ:
             # The previous tile's dQ behind this tile's dV and dK: the other warpgroup wrote its half of that dSᵀ
@@ -616,6 +627,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
         raise ValueError("config: dq_ordered orders a fused_dq tile's adds")
     if tile.last_block_first and not tile.dq_ordered:
         raise ValueError("config: last_block_first orders a dq_ordered tile's launch")
+    if split and tile.early_dv:
+        raise ValueError("config: early_dv orders the d = 64 and 128 warpgroups' matmuls; d = 256 has no such order")
     if tile.dq_ordered != (dq_sem is not None):
         raise ValueError("dq_sem: a dq_ordered tile needs the int32 counters, and only it takes them")
     if delta.stride() != lse.stride():
@@ -646,7 +659,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
         sq, sk, hkv, scale * LOG2E, scale,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
         GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, ORDERED=tile.dq_ordered, TMA_OUT=stores_by_tma(q, dk, dv, tile),
-        LAST_BLOCK_FIRST=tile.last_block_first and causal,
+        LAST_BLOCK_FIRST=tile.last_block_first and causal, EARLY_DV=tile.early_dv,
         num_warps=4,
     )
     return grid, kept

@@ -63,10 +63,11 @@ class Tile:
     Q_STAGES: gl.constexpr  # the forward's Q buffers (two: the next tile's Q lands while this tile runs)
     TMA_OUT: gl.constexpr  # the dK/dV kernel stores dK and dV by TMA (backward_sm90.stores_by_tma)
     HALF_DIAG: gl.constexpr  # the forward: warpgroup 0 takes its tiles' diagonal block at half width (half_diagonal)
+    EARLY_DV: gl.constexpr  # the dK/dV kernel: Sᵀ waited for alone, dV issued before dPᵀ is (BwdTile.early_dv)
 
     @gluon.constexpr_function
     def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False, ORDERED=False,
-                 Q_STAGES=1, TMA_OUT=False, HALF_DIAG=False):
+                 Q_STAGES=1, TMA_OUT=False, HALF_DIAG=False, EARLY_DV=False):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -79,6 +80,7 @@ class Tile:
         self.Q_STAGES = gl.constexpr(Q_STAGES)
         self.TMA_OUT = gl.constexpr(TMA_OUT)
         self.HALF_DIAG = gl.constexpr(HALF_DIAG)
+        self.EARLY_DV = gl.constexpr(EARLY_DV)
 
 
 @gluon.jit
