@@ -68,7 +68,7 @@ def test_table_fuses_dq_only_where_allowed(monkeypatch):
                          pick(d, causal=causal, n=least, m=least - 1, deterministic=False)):
                 assert not kept.dkdv.fused_dq
     monkeypatch.setitem(BWD_WS_MIN_KEYS, 128, (4096, 4096))  # fused where the Triton tile would run otherwise
-    assert pick(n=1024, deterministic=False).dkdv == fused_dq_tile(128)
+    assert pick(n=1024, deterministic=False).dkdv == fused_dq_tile(128, causal=False)
     assert not pick(n=1024).dkdv.gluon
     assert not pick(ws_ok=False, deterministic=False).dkdv.gluon
 
@@ -133,6 +133,10 @@ def test_gluon_tile_is_refused_where_it_cannot_run():
     with pytest.raises(ValueError, match="config: fused_dq runs at d = 64 and 128"):
         backward_sm90.launch_dkdv(q256, k256, k256, q256, lse, lse, k256, k256, 0.1, False,
                                   replace(_BWD_WS_DKDV[256], fused_dq=True), dq_acc=torch.zeros(1, 64, 2, 256))
+    triton_tile = bwd_config(128, 128, torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match="config: early_dv orders the Hopper"):  # a Triton tile has no such order
+        B.backward(do, q, k, v, o, lse, 0.1, False, config=replace(triton_tile, dkdv=replace(triton_tile.dkdv,
+                                                                                            early_dv=True)))
     with pytest.raises(ValueError, match="config: early_dv orders the d = 64 and 128"):
         backward_sm90.launch_dkdv(q256, k256, k256, q256, lse, lse, k256, k256, 0.1, False,
                                   replace(_BWD_WS_DKDV[256], early_dv=True))
@@ -160,7 +164,8 @@ def test_dk_dv_leave_by_tma_where_they_can():
     assert not stores_by_tma(q256, q256, q256, _BWD_WS_DKDV[256])
     q64 = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
     assert stores_by_tma(q64, q64, q64.clone(), _BWD_WS_DKDV[64])
-    assert fused_dq_tile(64).block_m == 128 and not stores_by_tma(q64, q64, q64.clone(), fused_dq_tile(64))
+    assert fused_dq_tile(64, causal=False).block_m == 128 and not stores_by_tma(q64, q64, q64.clone(),
+                                                                          fused_dq_tile(64, causal=False))
 
 
 def test_ordered_tile_is_refused_where_it_cannot_run(monkeypatch):
@@ -211,7 +216,7 @@ def test_last_block_first_reaches_the_kernel_under_causal_only(monkeypatch):
     lse = torch.randn(1, 2, 300)
     for causal in (False, True):
         for first in (False, True):
-            tile = replace(fused_dq_tile(128, ordered=True), last_block_first=first)
+            tile = replace(fused_dq_tile(128, ordered=True, causal=True), last_block_first=first)
             backward_sm90.launch_dkdv(q, k, v, do, lse, lse, k, v, 0.1, causal, tile,
                                       dq_acc=torch.zeros(1, 320, 2, 128), dq_sem=torch.zeros(1, 2, 5, dtype=torch.int32))
     assert seen == [False, False, False, True]
@@ -231,7 +236,7 @@ for d, causal, fused, ordered, wide, rows in ((128, False, False, False, False, 
                                               (128, False, True, True, False, 0), (64, True, True, True, False, 0),
                                               (128, True, True, True, True, 0), (64, True, False, False, False, 128),
                                               (128, True, True, True, False, -1), (128, False, True, False, False, 0)):
-    tile = fused_dq_tile(d, ordered, causal) if fused else _BWD_WS_DKDV[d]
+    tile = fused_dq_tile(d, ordered, causal=causal) if fused else _BWD_WS_DKDV[d]
     if rows > 0:  # another row tile than the table's
         tile = replace(tile, block_m=rows)
     if rows < 0:  # the other causal launch order
@@ -311,7 +316,7 @@ def test_matches_oracle(shape, causal, dtype, d, fused, ordered, rows):
     q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", dtype)
                    for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
     o, lse = F.forward(q, k, v, d**-0.5, causal)
-    tile = fused_dq_tile(d, ordered) if fused else _BWD_WS_DKDV[d]
+    tile = fused_dq_tile(d, ordered, causal=causal) if fused else _BWD_WS_DKDV[d]
     cfg = replace(bwd_config(d, d, dtype, "cuda", causal=causal), dkdv=replace(tile, block_m=rows or tile.block_m))
     dq, dk, dv = B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=cfg, deterministic=ordered or not fused)
     exact = R.naive_attention_backward(q, k, v, do, causal=causal)
@@ -340,7 +345,7 @@ def test_repeat_relaunches_bitwise(causal, d, fused, ordered, monkeypatch):
                    for n, h in ((300, 4), (300, 2), (300, 2), (300, 4)))
     o, lse = F.forward(q, k, v, 0.1, causal)
     cfg = replace(bwd_config(d, d, torch.bfloat16, "cuda", causal=causal),
-                  dkdv=fused_dq_tile(d, ordered) if fused else _BWD_WS_DKDV[d])
+                  dkdv=fused_dq_tile(d, ordered, causal=causal) if fused else _BWD_WS_DKDV[d])
     exact = ordered or not fused
     first = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg, deterministic=exact)
     again = B.backward(*(x.clone() for x in (do, q, k, v, o, lse)), 0.1, causal, config=cfg, deterministic=exact)
@@ -368,7 +373,8 @@ def test_ordered_dq_needs_no_zeroed_accumulator(shape, causal, monkeypatch):
     q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", torch.bfloat16)
                    for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
     o, lse = F.forward(q, k, v, 0.1, causal)
-    cfg = replace(bwd_config(d, d, torch.bfloat16, "cuda", causal=causal), dkdv=fused_dq_tile(d, ordered=True))
+    cfg = replace(bwd_config(d, d, torch.bfloat16, "cuda", causal=causal),
+                  dkdv=fused_dq_tile(d, ordered=True, causal=causal))
     want = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg)
     made = B._dq_accumulator
 
@@ -472,7 +478,7 @@ def test_ordered_dq_is_bitwise_reproducible(shape, causal):
                    for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
     o, lse = F.forward(q, k, v, d**-0.5, causal)
     base = bwd_config(d, d, torch.bfloat16, "cuda", causal=causal)
-    ordered = replace(base, dkdv=fused_dq_tile(d, ordered=True))
+    ordered = replace(base, dkdv=fused_dq_tile(d, ordered=True, causal=causal))
     runs = [B.backward(do, q, k, v, o, lse, d**-0.5, causal, config=ordered) for _ in range(4)]
     if causal:
         flipped = replace(ordered.dkdv, last_block_first=not ordered.dkdv.last_block_first)

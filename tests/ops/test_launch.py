@@ -299,7 +299,7 @@ def _gluon_calls(monkeypatch) -> list:
                         forward_sm90.launch(q, k, v, o, lse, 0.1, causal, cfg)
                     backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, 0.1, causal, _BWD_WS_DKDV[d])
                     if d < 256 and i == 0:  # the fused dQ, with its adds ordered (int32 counters: one more array)
-                        tile = fused_dq_tile(d, ordered=True)
+                        tile = fused_dq_tile(d, ordered=True, causal=causal)
                         tiles = -(-sq // tile.block_m)
                         backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, 0.1, causal, tile,
                                                   dq_acc=torch.zeros(b, tiles * tile.block_m, hq, d),

@@ -388,14 +388,15 @@ BWD_ORDERED_LAST_BLOCK_FIRST = {64: True, 128: False}
 # - early_dv on the fused tiles (session 26, NOTES v18; .devrun/bsweep26.py, three passes alternated with main, whole
 #   backward through the table, TFLOP/s at N = 1024 / 4096 / 16384), d = 128 non-causal: ordered 425-429 / 515-521 /
 #   537-540 against 416-422 / 502 / 524-526, unordered 416-419 / 511-512 / 531-543 against 406-407 / 486-491 /
-#   517-519; causal lost at 1024 and 4096 (ordered 312-321 / 453-463 against 318-327 / 473-485; unordered 307-308 /
-#   450 against 317 / 459-464) and gained at 16384 (ordered 510-513 against 499-500). d = 64 non-causal: the plain
+#   517-519; causal (also N = 2048 / 8192 / 16384 in a later call, two passes) tied at 2048 and lost at 1024, 4096
+#   and 8192 (ordered 312-321 / 453-463 / 491-501 against 318-327 / 473-485 / 510-522; unordered 307-308 / 450 /
+#   489 against 317 / 459-464 / 500-501) and gained at 16384 (ordered 505-513 against 496-500). d = 64 non-causal: the plain
 #   64-row tile lost at 1024 (326-330 against 341-347), the 128-row fused ones tied at 4096 (ordered 432-439 against
 #   431-433, unordered 442-447 against 437-441). Per head dim, (non-causal, causal); the plain tiles keep the order.
 BWD_EARLY_DV = {64: (False, False), 128: (True, False)}
 
 
-def fused_dq_tile(head_dim: int, ordered: bool = False, causal: bool = False) -> BwdTile:
+def fused_dq_tile(head_dim: int, ordered: bool = False, *, causal: bool) -> BwdTile:
     """The Gluon dK/dV tile that fuses dQ at ``head_dim`` (64 or 128): on BWD_FUSED_DQ_ROWS row tiles, its adds in
     no fixed order, or with ``ordered`` in a fixed one, launched as BWD_ORDERED_LAST_BLOCK_FIRST says; its matmuls
     in the order BWD_EARLY_DV gives for the mask."""

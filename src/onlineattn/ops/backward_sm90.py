@@ -258,7 +258,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         do = do_smem.index(stage).reshape([BLOCK_M, D])
         st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
         dpt = warpgroup_mma(v, do.permute((1, 0)), zero_st, use_acc=False, is_async=True)
-        if tile.EARLY_DV:  # Pᵀ while dPᵀ's wgmma runs
+        if tile.EARLY_DV:  # Pᵀ while dPᵀ's wgmma runs (wait(1) is Sᵀ: no group is left over from the last tile)
             st = warpgroup_mma_wait(1, deps=(st,))
         else:
             st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
