@@ -278,11 +278,10 @@ def _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, 
 def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s, mask_from, seqlen_q, seqlen_k,
           qk_scale, tile, s_layout: gl.constexpr, o_layout: gl.constexpr, RELEASE_Q: gl.constexpr):
     """One key block (ring ``idx``, keys from ``start_n``, as many as ``zero_s`` has columns, in ``s_layout``) after
-    another whose
-    softmax is done (``p``, ring ``idx - 1``): QKᵀ is issued, then the previous block's P·V; this block's softmax runs
-    once QKᵀ is done, while the tensor cores still add the previous block (P stays in registers as wgmma's A
-    operand). With ``RELEASE_Q`` the tile's Q is released where this is the last (``j``-th of ``n_blocks``) block. Returns (p, m, l, acc) with this
-    block's P·V still to do."""
+    another whose softmax is done (``p``, ring ``idx - 1``): QKᵀ is issued, then the previous block's P·V; this
+    block's softmax runs once QKᵀ is done, while the tensor cores still add the previous block (P stays in registers
+    as wgmma's A operand). With ``RELEASE_Q`` the tile's Q is released where this is the last (``j``-th of
+    ``n_blocks``) block. Returns (p, m, l, acc) with this block's P·V still to do."""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_N: gl.constexpr = tile.BLOCK_N
