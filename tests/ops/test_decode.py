@@ -160,11 +160,15 @@ def test_without_new_tokens_the_cache_is_only_read():
            *R.torch_math_attention(q[:, -2:], k, v, causal=True), torch.float16)
 
 
+@pytest.mark.parametrize("at_once", [True, False], ids=["at-once", "loop"])
+@pytest.mark.parametrize("sq,hq,hkv", [(2, 4, 2), (1, 2, 2), (3, 6, 2)], ids=["4-rows", "1-row", "9-of-16-rows"])
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
-def test_every_split_is_written_poisoned_outputs(num_splits, monkeypatch):
+def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, at_once, monkeypatch):
     """Outputs and the split scratch start as NaN; more splits than key blocks leave empty chunks, which must still
-    write (o = 0, lse = -inf) for the merge. Fresh scratch for this test, so the poison is not another test's."""
-    real = D._workspace
+    write (o = 0, lse = -inf) for the merge, whether the merging split loads every partial at once (packed rows
+    padded to a power of two: 1, 4, or 9 of 16) or loops over them. Fresh scratch for this test, so the poison is
+    not another test's."""
+    real, real_at_once, taken = D._workspace, D._merge_at_once, []
 
     def poisoned(*args):
         work, counts = real(*args)
@@ -172,7 +176,9 @@ def test_every_split_is_written_poisoned_outputs(num_splits, monkeypatch):
 
     monkeypatch.setattr(D, "_WORKSPACES", {})
     monkeypatch.setattr(D, "_workspace", poisoned)
-    b, sq, hq, hkv, d = 2, 2, 4, 2, 16
+    monkeypatch.setattr(D, "MERGE_AT_ONCE_MAX_ELEMENTS", D.MERGE_AT_ONCE_MAX_ELEMENTS if at_once else 0)
+    monkeypatch.setattr(D, "_merge_at_once", lambda *args: taken.append(real_at_once(*args)) or taken[-1])
+    b, d = 2, 16
     q, k, v = _sequence(b, 70, hq, hkv, d, d, torch.float32, seed=num_splits)
     k_cache, v_cache = k.clone(), v.clone()
     lens = torch.tensor([68, 20], dtype=torch.int32, device=DEVICE)
@@ -185,6 +191,7 @@ def test_every_split_is_written_poisoned_outputs(num_splits, monkeypatch):
     R.assert_within_rule("lse", lse, exact[1], dtype_name="float32")
     if num_splits > 1:
         assert all(int(counts.abs().sum()) == 0 for _, counts in D._WORKSPACES.values()), "a counter was not reset"
+        assert taken and all(bool(n) == at_once for n in taken)  # MERGE_SPLITS: the padded split count, or 0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

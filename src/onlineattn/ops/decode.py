@@ -34,7 +34,7 @@ import triton.language as tl
 
 from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
-                      page_and_slot, row_tile)
+                      packed_rows, page_and_slot, row_tile)
 from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_num_splits
 from ._launch import bounded_put, cdiv, next_power_of_2, prepare
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
@@ -86,6 +86,26 @@ def _merge_splits(p_o, p_lse, split_stride_o, split_stride_lse, num_splits, m_r,
 
 
 @triton.jit
+def _merge_splits_at_once(P_O, P_LSE, first, rows, num_splits, o_dv, m_dv, SPLITS: tl.constexpr, ROWS: tl.constexpr,
+                          BLOCK_DV: tl.constexpr, HEAD_DIM_V: tl.constexpr):
+    """Merge the ``num_splits`` partial states of one program's ``rows`` (≤ ROWS) packed rows with one load of all
+    of them (``[SPLITS, ROWS, BLOCK_DV]``, the splits padded to a power of two): one L2 round trip, where the loop of
+    ``_merge_splits`` takes one per pipeline depth. The same weights, ``exp(lse_s − max lse)``, summed over the
+    splits in a fixed tree order (deterministic; a single non-empty split comes back bit for bit)."""
+    o_s = tl.arange(0, SPLITS)[:, None]
+    o_r = tl.arange(0, ROWS)[None, :]
+    part = (first + o_s) * rows + o_r  # [SPLITS, ROWS] partial rows, int64
+    ok = (o_s < num_splits) & (o_r < rows)
+    lse = tl.load(P_LSE + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
+    p_o = P_O + part[:, :, None] * HEAD_DIM_V + o_dv[None, None, :]
+    o = tl.load(p_o, mask=ok[:, :, None] & m_dv[None, None, :], other=0.0, cache_modifier=".cg")
+    m = tl.max(lse, axis=0)
+    w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 for an empty part (lse = -inf)
+    acc = tl.sum(tl.where(w[:, :, None] > 0.0, w[:, :, None] * o, 0.0), axis=0)
+    return finalize_merge(m, tl.sum(w, axis=0), acc)
+
+
+@triton.jit
 def decode_kernel(
     Q, K, V, CACHE_SEQLENS, BLOCK_TABLE, O, LSE, WORK, COUNTS,
     stride_qb, stride_qs, stride_qh,
@@ -98,7 +118,8 @@ def decode_kernel(
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, MERGE_STAGES: tl.constexpr,
+    SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+    MERGE_ROWS: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -157,7 +178,8 @@ def decode_kernel(
         o_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         first = pid_bh.to(tl.int64) * num_splits
         p_o = WORK + ((first * rows + o_r) * HEAD_DIM_V)[:, None] + o_dv[None, :]
-        p_lse = WORK + tl.num_programs(0).to(tl.int64) * num_splits * rows * HEAD_DIM_V + first * rows + o_r
+        lse_parts = WORK + tl.num_programs(0).to(tl.int64) * num_splits * rows * HEAD_DIM_V
+        p_lse = lse_parts + first * rows + o_r
         tl.store(p_o + split * rows * HEAD_DIM_V, b_o, mask=m_r[:, None] & m_dv[None, :])
         tl.store(p_lse + split * rows, b_lse, mask=m_r)
         # The last of the program's splits to finish merges them all. The barrier puts every thread's stores
@@ -166,10 +188,17 @@ def decode_kernel(
         p_count = COUNTS + pid_bh * tl.num_programs(1) + pid_m
         if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(p_count, 0)  # ready for the next launch that uses this workspace
-            b_o, b_lse = _merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M, BLOCK_DV,
-                                       MERGE_STAGES)
-            _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP,
-                         HEAD_DIM_V, STORE_LSE)
+            if MERGE_SPLITS > 0:  # the program's rows are all the rows (one row block): one load of every partial
+                w_o, w_lse = _merge_splits_at_once(WORK, lse_parts, first, rows, num_splits, o_dv, m_dv,
+                                                   MERGE_SPLITS, MERGE_ROWS, BLOCK_DV, HEAD_DIM_V)
+                w_i, w_h, w_r = packed_rows(0, off_hkv, seqlen_q, MERGE_ROWS, GROUP)
+                _store_state(O, LSE, w_o, w_lse, off_b, w_i, w_h, w_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP,
+                             HEAD_DIM_V, STORE_LSE)
+            else:
+                b_o, b_lse = _merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M,
+                                           BLOCK_DV, MERGE_STAGES)
+                _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP,
+                             HEAD_DIM_V, STORE_LSE)
     else:
         _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP, HEAD_DIM_V,
                      STORE_LSE)
@@ -192,6 +221,11 @@ def _sm_count(device: torch.device) -> int:
 # packed rows: up to ~100 KiB more, halving the programs per SM) keep the plain loop, unmeasured either way.
 MERGE_STAGES = 4
 MERGE_PIPELINE_MAX_ELEMENTS = 16 * 128
+# Where a program's packed rows are all the rows (one row block) and every split's partials fit in registers at once
+# (splits and rows padded to powers of two, times the padded value dim: 8192 float32 are 64 registers a thread at 4
+# warps), the merging split loads them in one go (_merge_splits_at_once) instead of looping over the splits (NOTES
+# v18: B = 1, L = 4k under a graph ...).
+MERGE_AT_ONCE_MAX_ELEMENTS = 8192
 
 
 @dataclass(frozen=True, eq=False)
@@ -224,6 +258,7 @@ def _make_plan(q, k_cache, v_cache, block_table, cfg: DecodeConfig, causal: bool
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=causal,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MERGE_STAGES=MERGE_STAGES if block_m * block_dv <= MERGE_PIPELINE_MAX_ELEMENTS else 1,
+        MERGE_ROWS=next_power_of_2(sq * group) if row_blocks == 1 else 0,  # 0: rows in several blocks, the loop
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
@@ -330,9 +365,17 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         step.relaunches[cfg, splits] = prepare(
             decode_kernel, grid, len(tensors), *tensors, *plan.strides,
             sq, new, splits, scale * LOG2E,
-            SPLIT=splits > 1, STORE_LSE=lse is not None, **plan.constexprs,
+            SPLIT=splits > 1, STORE_LSE=lse is not None, MERGE_SPLITS=_merge_at_once(plan, splits), **plan.constexprs,
         )
     return o, lse
+
+
+def _merge_at_once(plan: _Plan, splits: int) -> int:
+    """The kernel's MERGE_SPLITS: the split count padded to a power of two where the merging split loads every
+    partial at once, else 0 (the pipelined loop)."""
+    rows, width = plan.constexprs["MERGE_ROWS"], plan.constexprs["BLOCK_DV"]
+    padded = next_power_of_2(splits)
+    return padded if splits > 1 and rows and padded * rows * width <= MERGE_AT_ONCE_MAX_ELEMENTS else 0
 
 
 class _Step:
