@@ -177,6 +177,7 @@ def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, at_onc
     monkeypatch.setattr(D, "_WORKSPACES", {})
     monkeypatch.setattr(D, "_workspace", poisoned)
     monkeypatch.setattr(D, "MERGE_AT_ONCE_MAX_ELEMENTS", D.MERGE_AT_ONCE_MAX_ELEMENTS if at_once else 0)
+    monkeypatch.setattr(D, "_sm_count", lambda device: 1 << 20)  # every grid here counts as one program per SM
     monkeypatch.setattr(D, "_merge_at_once", lambda *args: taken.append(real_at_once(*args)) or taken[-1])
     b, d = 2, 16
     q, k, v = _sequence(b, 70, hq, hkv, d, d, torch.float32, seed=num_splits)
@@ -192,6 +193,20 @@ def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, at_onc
     if num_splits > 1:
         assert all(int(counts.abs().sum()) == 0 for _, counts in D._WORKSPACES.values()), "a counter was not reset"
         assert taken and all(bool(n) == at_once for n in taken)  # MERGE_SPLITS: the padded split count, or 0
+
+
+def test_merge_at_once_only_where_the_grid_fits_the_sms():
+    """The merge loads every partial at once only where every program has an SM to itself and the partials fit
+    (NOTES v19); elsewhere MERGE_SPLITS is 0, the loop."""
+    def plan(grid_bh, row_blocks=1, rows=4, width=128):
+        return D._Plan(grid_bh, row_blocks, 0, (), {"MERGE_ROWS": rows if row_blocks == 1 else 0, "BLOCK_DV": width})
+
+    assert D._merge_at_once(plan(8), 16, 132) == 16  # B = 1, Hkv 8: 128 programs
+    assert D._merge_at_once(plan(8), 12, 132) == 16  # padded to a power of two
+    assert D._merge_at_once(plan(16 * 8), 8, 132) == 0  # B = 16: 1024 programs, more than one per SM
+    assert D._merge_at_once(plan(8), 32, 1024) == 0  # 32 x 4 x 128 float32: past MERGE_AT_ONCE_MAX_ELEMENTS
+    assert D._merge_at_once(plan(8, row_blocks=2), 4, 132) == 0  # rows in two blocks
+    assert D._merge_at_once(plan(8), 1, 132) == 0  # one split: nothing to merge
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

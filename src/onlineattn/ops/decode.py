@@ -223,8 +223,10 @@ MERGE_STAGES = 4
 MERGE_PIPELINE_MAX_ELEMENTS = 16 * 128
 # Where a program's packed rows are all the rows (one row block) and every split's partials fit in registers at once
 # (splits and rows padded to powers of two, times the padded value dim: 8192 float32 are 64 registers a thread at 4
-# warps), the merging split loads them in one go (_merge_splits_at_once) instead of looping over the splits (NOTES
-# v18: B = 1, L = 4k under a graph ...).
+# warps), and the grid is at most one program per SM, the merging split loads them in one go (_merge_splits_at_once)
+# instead of looping over the splits. NOTES v19 (graph-timed, d = 128, Hq 32, Hkv 8): B = 1, L = 4k 11.2 -> 10.0 us,
+# L = 32k 40.1 -> 38.5 us; over fuller grids it tied or lost (B = 16, L = 32k: 2 splits 548 -> 561 us, 8 splits
+# 490 -> 513 us), so those keep the loop (_merge_at_once).
 MERGE_AT_ONCE_MAX_ELEMENTS = 8192
 
 
@@ -365,17 +367,21 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         step.relaunches[cfg, splits] = prepare(
             decode_kernel, grid, len(tensors), *tensors, *plan.strides,
             sq, new, splits, scale * LOG2E,
-            SPLIT=splits > 1, STORE_LSE=lse is not None, MERGE_SPLITS=_merge_at_once(plan, splits), **plan.constexprs,
+            SPLIT=splits > 1, STORE_LSE=lse is not None, MERGE_SPLITS=_merge_at_once(plan, splits, _sm_count(device)),
+            **plan.constexprs,
         )
     return o, lse
 
 
-def _merge_at_once(plan: _Plan, splits: int) -> int:
+def _merge_at_once(plan: _Plan, splits: int, num_sms: int) -> int:
     """The kernel's MERGE_SPLITS: the split count padded to a power of two where the merging split loads every
-    partial at once, else 0 (the pipelined loop)."""
+    partial at once, else 0 (the pipelined loop). At once only where the grid is one program per SM at most: there
+    the last split's merge is the launch's critical path. Over fuller grids the loop stays (NOTES v19: at B = 16,
+    L = 32k with 8 splits the merge at once read 511-518 us against the loop's 490)."""
     rows, width = plan.constexprs["MERGE_ROWS"], plan.constexprs["BLOCK_DV"]
     padded = next_power_of_2(splits)
-    return padded if splits > 1 and rows and padded * rows * width <= MERGE_AT_ONCE_MAX_ELEMENTS else 0
+    fill = plan.grid_bh * plan.row_blocks * splits <= num_sms
+    return padded if splits > 1 and rows and fill and padded * rows * width <= MERGE_AT_ONCE_MAX_ELEMENTS else 0
 
 
 class _Step:
