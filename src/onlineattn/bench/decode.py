@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from .progress import Progress
-from .rows import add_output_options, append_rows, environment
+from .rows import add_output_options, append_rows, environment, warm_up_gpu
 
 BATCHES = (1, 16, 64)
 LENGTHS = (4096, 32768, 131072)
@@ -176,6 +176,7 @@ def run(cases, names, *, out: Path | None, commit: str | None = None, dtype=torc
     suffix = TIMINGS[timing]
     rows = []
     print(f"{'B':>3} {'L':>7} " + " ".join(f"{n + suffix:>22}" for n in names))
+    warm_up_gpu()
     bar = Progress(len(cases) * len(names), "decode")
     for case in cases:
         cells = []

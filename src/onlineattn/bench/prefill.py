@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .progress import Progress
-from .rows import add_output_options, append_rows, environment
+from .rows import add_output_options, append_rows, environment, warm_up_gpu
 
 HEAD_DIMS = (64, 128, 256)
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -200,6 +200,7 @@ def run(cases, providers, modes, *, out: Path | None, commit: str | None = None,
     rows = []
     header = f"{'op':6} {'d':>4} {'c':>2} {'N':>6} {'B':>3} {'H':>3} " + " ".join(f"{p:>15}" for p in fns)
     print(header)
+    warm_up_gpu()
     bar = Progress(len(cases) * len(modes) * len(fns), "prefill")
     for case in cases:
         gen = torch.Generator(device="cuda").manual_seed(case.n * 1000 + case.d)
