@@ -175,6 +175,7 @@ def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, at_onc
         return work.fill_(float("nan")), counts
 
     monkeypatch.setattr(D, "_WORKSPACES", {})
+    monkeypatch.setattr(D, "_STEPS", {})  # no launch kept from another case: each case chooses its merge afresh
     monkeypatch.setattr(D, "_workspace", poisoned)
     monkeypatch.setattr(D, "MERGE_AT_ONCE_MAX_ELEMENTS", D.MERGE_AT_ONCE_MAX_ELEMENTS if at_once else 0)
     monkeypatch.setattr(D, "_sm_count", lambda device: 1 << 20)  # every grid here counts as one program per SM
@@ -192,21 +193,27 @@ def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, at_onc
     R.assert_within_rule("lse", lse, exact[1], dtype_name="float32")
     if num_splits > 1:
         assert all(int(counts.abs().sum()) == 0 for _, counts in D._WORKSPACES.values()), "a counter was not reset"
-        assert taken and all(bool(n) == at_once for n in taken)  # MERGE_SPLITS: the padded split count, or 0
+        assert taken and all(bool(n["MERGE_SPLITS"]) == at_once for n in taken)  # the padded split count, or 0
 
 
 def test_merge_at_once_only_where_the_grid_fits_the_sms():
     """The merge loads every partial at once only where every program has an SM to itself and the partials fit
     (NOTES v19); elsewhere MERGE_SPLITS is 0, the loop."""
     def plan(grid_bh, row_blocks=1, rows=4, width=128):
-        return D._Plan(grid_bh, row_blocks, 0, (), {"MERGE_ROWS": rows if row_blocks == 1 else 0, "BLOCK_DV": width})
+        return D._Plan(grid_bh, row_blocks, rows, 0, (), {"BLOCK_DV": width})
 
-    assert D._merge_at_once(plan(8), 16, 132) == 16  # B = 1, Hkv 8: 128 programs
-    assert D._merge_at_once(plan(8), 12, 132) == 16  # padded to a power of two
-    assert D._merge_at_once(plan(16 * 8), 8, 132) == 0  # B = 16: 1024 programs, more than one per SM
-    assert D._merge_at_once(plan(8), 32, 1024) == 0  # 32 x 4 x 128 float32: past MERGE_AT_ONCE_MAX_ELEMENTS
-    assert D._merge_at_once(plan(8, row_blocks=2), 4, 132) == 0  # rows in two blocks
-    assert D._merge_at_once(plan(8), 1, 132) == 0  # one split: nothing to merge
+    def merge(*args):
+        chosen = D._merge_at_once(*args)
+        assert bool(chosen["MERGE_SPLITS"]) == bool(chosen["MERGE_ROWS"])  # both set, or both 0 (one loop build)
+        return chosen["MERGE_SPLITS"], chosen["MERGE_ROWS"]
+
+    assert merge(plan(8), 16, 132) == (16, 4)  # B = 1, Hkv 8: 128 programs
+    assert merge(plan(8), 16, 128) == (16, 4)  # exactly one program per SM
+    assert merge(plan(8, rows=3), 12, 132) == (16, 4)  # both padded to powers of two
+    assert merge(plan(16 * 8), 8, 132) == (0, 0)  # B = 16: 1024 programs, more than one per SM
+    assert merge(plan(8), 32, 1024) == (0, 0)  # 32 x 4 x 128 float32: past MERGE_AT_ONCE_MAX_ELEMENTS
+    assert merge(plan(8, row_blocks=2, rows=80), 4, 132) == (0, 0)  # rows in two blocks
+    assert merge(plan(8), 1, 132) == (0, 0)  # one split: nothing to merge
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -178,6 +178,8 @@ def _timed(fn, mode: str, q, k, v, causal) -> float:
 
     if mode == "fwd":
         with torch.no_grad():
+            fn(q, k, v, causal)  # compiles: then the warm-up, so the timing starts on a busy GPU
+            warm_up_gpu()
             return triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=25, rep=100, return_mode="median")
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     o = fn(q, k, v, causal)
@@ -186,6 +188,8 @@ def _timed(fn, mode: str, q, k, v, causal) -> float:
         step = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
     else:
         step = lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do)
+    step()
+    warm_up_gpu()
     return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
 
 
@@ -200,7 +204,6 @@ def run(cases, providers, modes, *, out: Path | None, commit: str | None = None,
     rows = []
     header = f"{'op':6} {'d':>4} {'c':>2} {'N':>6} {'B':>3} {'H':>3} " + " ".join(f"{p:>15}" for p in fns)
     print(header)
-    warm_up_gpu()
     bar = Progress(len(cases) * len(modes) * len(fns), "prefill")
     for case in cases:
         gen = torch.Generator(device="cuda").manual_seed(case.n * 1000 + case.d)

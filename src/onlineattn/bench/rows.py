@@ -1,6 +1,6 @@
 """What every ``onlineattn bench`` subcommand shares: a row's environment fields, the output options, the JSON-lines
 file that rows are appended to (ENGINEERING.md section 5; rows are never edited or deleted), and the GPU warm-up
-before the first timed point."""
+before each timed point."""
 
 from __future__ import annotations
 
@@ -55,14 +55,14 @@ def append_rows(out: Path | None, rows) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-WARM_UP_SECONDS = 1.0
+WARM_UP_SECONDS = 0.25
 
 
 def warm_up_gpu(seconds: float = WARM_UP_SECONDS) -> None:
-    """Keep the GPU busy with bfloat16 matmuls for about ``seconds`` before the first timed point, so that point runs
-    at the clocks of the later ones. An idle H200 ramps its clocks up under load, and the first point of a pass read
-    low in earlier runs (NOTES v14: d = 256 causal N = 512 200.5 in one pass, 331.1 in the next), whichever provider
-    came first. Nothing without CUDA."""
+    """Keep the GPU busy with bfloat16 matmuls for about ``seconds``. The bench calls it before each timed point,
+    after the point's first call (its compile, which can leave the GPU idle for seconds), so every point starts at
+    the clocks of a busy GPU: the first point of a pass had read low (NOTES v14: d = 256 causal N = 512 200.5 in one
+    pass, 331.1 in the next), whichever provider came first. Nothing without CUDA."""
     if not torch.cuda.is_available():
         return
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)

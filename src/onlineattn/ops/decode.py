@@ -11,7 +11,8 @@ the memory system busy:
 - Split-KV. With few (sequence, kv head) pairs there are too few programs to fill the GPU, so the key range of each
   sequence is cut into ``num_splits`` chunks processed in parallel. Each writes a float32 partial state into a
   scratch buffer and counts itself in with an atomic; the last split of a program to arrive merges all of them, in
-  split order (deterministic whichever arrives last), writes o and lse, and resets its counter for the next launch.
+  a fixed order (deterministic whichever arrives last; a loop over the splits, or where the grid is at most one
+  program per SM one load of every partial), writes o and lse, and resets its counter for the next launch.
   One launch, no second merge kernel. A sequence's chunks follow its own length (read on the device), so sequences
   of different lengths split evenly. With one split the kernel writes o and lse directly.
 - Caches. Contiguous ``[B, L_max, Hkv, D]`` or paged ``[num_pages, page_size, Hkv, D]``: for a paged cache each key
@@ -87,7 +88,7 @@ def _merge_splits(p_o, p_lse, split_stride_o, split_stride_lse, num_splits, m_r,
 
 @triton.jit
 def _merge_splits_at_once(P_O, P_LSE, first, rows, num_splits, o_dv, m_dv, SPLITS: tl.constexpr, ROWS: tl.constexpr,
-                          BLOCK_DV: tl.constexpr, HEAD_DIM_V: tl.constexpr):
+                          HEAD_DIM_V: tl.constexpr):
     """Merge the ``num_splits`` partial states of one program's ``rows`` (≤ ROWS) packed rows with one load of all
     of them (``[SPLITS, ROWS, BLOCK_DV]``, the splits padded to a power of two): one L2 round trip, where the loop of
     ``_merge_splits`` takes one per pipeline depth. The same weights, ``exp(lse_s − max lse)``, summed over the
@@ -190,7 +191,7 @@ def decode_kernel(
             tl.store(p_count, 0)  # ready for the next launch that uses this workspace
             if MERGE_SPLITS > 0:  # the program's rows are all the rows (one row block): one load of every partial
                 w_o, w_lse = _merge_splits_at_once(WORK, lse_parts, first, rows, num_splits, o_dv, m_dv,
-                                                   MERGE_SPLITS, MERGE_ROWS, BLOCK_DV, HEAD_DIM_V)
+                                                   MERGE_SPLITS, MERGE_ROWS, HEAD_DIM_V)
                 w_i, w_h, w_r = packed_rows(0, off_hkv, seqlen_q, MERGE_ROWS, GROUP)
                 _store_state(O, LSE, w_o, w_lse, off_b, w_i, w_h, w_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP,
                              HEAD_DIM_V, STORE_LSE)
@@ -234,6 +235,7 @@ MERGE_AT_ONCE_MAX_ELEMENTS = 8192
 class _Plan:
     grid_bh: int  # programs along axis 0: B · Hkv
     row_blocks: int  # programs along axis 1: packed rows Sq · GROUP in blocks of block_m
+    rows: int  # packed rows Sq · GROUP
     capacity: int  # most keys one sequence can hold
     strides: tuple  # q, k_cache, v_cache and block-table strides, in the kernel's order
     constexprs: dict
@@ -260,11 +262,10 @@ def _make_plan(q, k_cache, v_cache, block_table, cfg: DecodeConfig, causal: bool
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, PAGE_SIZE=k_cache.shape[1] if paged else 0, CAUSAL=causal,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         MERGE_STAGES=MERGE_STAGES if block_m * block_dv <= MERGE_PIPELINE_MAX_ELEMENTS else 1,
-        MERGE_ROWS=next_power_of_2(sq * group) if row_blocks == 1 else 0,  # 0: rows in several blocks, the loop
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    return _Plan(b * hkv, row_blocks, capacity, strides, constexprs)
+    return _Plan(b * hkv, row_blocks, sq * group, capacity, strides, constexprs)
 
 
 _WORKSPACES: dict = {}
@@ -367,21 +368,24 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         step.relaunches[cfg, splits] = prepare(
             decode_kernel, grid, len(tensors), *tensors, *plan.strides,
             sq, new, splits, scale * LOG2E,
-            SPLIT=splits > 1, STORE_LSE=lse is not None, MERGE_SPLITS=_merge_at_once(plan, splits, _sm_count(device)),
+            SPLIT=splits > 1, STORE_LSE=lse is not None, **_merge_at_once(plan, splits, _sm_count(device)),
             **plan.constexprs,
         )
     return o, lse
 
 
-def _merge_at_once(plan: _Plan, splits: int, num_sms: int) -> int:
-    """The kernel's MERGE_SPLITS: the split count padded to a power of two where the merging split loads every
-    partial at once, else 0 (the pipelined loop). At once only where the grid is one program per SM at most: there
-    the last split's merge is the launch's critical path. Over fuller grids the loop stays (NOTES v19: at B = 16,
-    L = 32k with 8 splits the merge at once read 511-518 us against the loop's 490)."""
-    rows, width = plan.constexprs["MERGE_ROWS"], plan.constexprs["BLOCK_DV"]
-    padded = next_power_of_2(splits)
+def _merge_at_once(plan: _Plan, splits: int, num_sms: int) -> dict:
+    """The kernel's MERGE_SPLITS and MERGE_ROWS: the split count and the packed rows, padded to powers of two, where
+    the merging split loads every partial at once, else both 0 (the pipelined loop; one build serves every row
+    count). At once only where the rows are in one row block, the partials fit MERGE_AT_ONCE_MAX_ELEMENTS float32,
+    and the grid is at most one program per SM: there the last split's merge is the launch's critical path. Over
+    fuller grids the loop stays (NOTES v19: at B = 16, L = 32k with 8 splits the merge at once read 511-518 us
+    against the loop's 490)."""
+    rows, padded = next_power_of_2(plan.rows), next_power_of_2(splits)
     fill = plan.grid_bh * plan.row_blocks * splits <= num_sms
-    return padded if splits > 1 and rows and fill and padded * rows * width <= MERGE_AT_ONCE_MAX_ELEMENTS else 0
+    at_once = (splits > 1 and plan.row_blocks == 1 and fill
+               and padded * rows * plan.constexprs["BLOCK_DV"] <= MERGE_AT_ONCE_MAX_ELEMENTS)
+    return {"MERGE_SPLITS": padded, "MERGE_ROWS": rows} if at_once else {"MERGE_SPLITS": 0, "MERGE_ROWS": 0}
 
 
 class _Step:
