@@ -59,7 +59,7 @@ def _auto(b, length, paged=False):
     sms = _sm_count(torch.device("cuda"))
     tile = C.decode_config(D, D, torch.bfloat16, "cuda", batch_heads=b * HKV, max_seqlen_k=length, num_sms=sms,
                            paged=paged)
-    return tile, C.decode_num_splits(b * HKV, length, sms, tile.block_n)
+    return tile, C.decode_num_splits(b * HKV, length, sms, tile.block_n, tile.balance)
 
 
 def _tile(text):

@@ -327,6 +327,11 @@ def test_split_heuristic():
     assert C.decode_num_splits(16 * 8, 131072, sms, block) == 16
     assert C.decode_num_splits(8, 100, sms, block) == 1
     assert C.decode_num_splits(1, 10**7, 1000, block) == C.DECODE_MAX_SPLITS
+    # without balance (the long-chunk tile) only the fill counts
+    assert C.decode_num_splits(64 * 8, 131072, sms, 128, balance=False) == 1
+    assert C.decode_num_splits(16 * 8, 131072, sms, 128, balance=False) == 1
+    assert C.decode_num_splits(8 * 8, 32768, sms, 128, balance=False) == 2
+    assert C.decode_num_splits(1 * 8, 131072, sms, 128, balance=False) == 16
 
 
 def test_growing_lengths_reuse_one_step(monkeypatch):
@@ -340,30 +345,36 @@ def test_growing_lengths_reuse_one_step(monkeypatch):
     assert len(D._STEPS) == 1
 
 
+LONG = C.DecodeConfig(128, 64, 4, 3, balance=False)  # the long-chunk tile: its split count only fills the SMs
+
+
 def test_decode_tiles_count_row_blocks_and_given_splits():
     """The one-program-per-SM tile needs the programs actually launched: row blocks and an explicit split count
     count."""
     pick = lambda programs, length, splits=0: C.decode_config(  # noqa: E731
         128, 128, torch.bfloat16, "cuda", batch_heads=programs, max_seqlen_k=length, num_sms=132, num_splits=splits)
-    assert pick(128, 4096) == C.DecodeConfig(128, 64, 4, 3)  # B = 16 x 8 kv heads, one row block, one split
+    assert pick(128, 4096) == LONG  # B = 16 x 8 kv heads, one row block, one split
     assert pick(256, 4096) == C.DecodeConfig(64, 64, 4, 2)  # two row blocks each
+    assert pick(256, 32768) == LONG  # ... over chunks of at least DECODE_LONG_MIN_KEYS
     assert pick(128, 4096, splits=16) == C.DecodeConfig(64, 64, 4, 2)
-    assert pick(8, 4096, splits=4) == C.DecodeConfig(128, 64, 4, 3)  # chunks of 1024 keys: 8 blocks of 128
+    assert pick(8, 4096, splits=4) == LONG  # chunks of 1024 keys: 8 blocks of 128
     assert pick(8, 4096, splits=16) == C.DecodeConfig(64, 64, 4, 3)  # chunks of 256 keys
 
 
 def test_decode_tiles():
-    """Grids of at most one program per SM (after the automatic split) take 3 stages, and 128-key blocks where every
-    chunk still holds DECODE_MIN_BLOCKS_PER_SPLIT of them; fuller grids 64-key, 4-warp, 2-stage tiles."""
+    """Grids of at most one program per SM (after the automatic split) take 3 stages, and the long-chunk tile (128-key
+    blocks, no balance splits) where every chunk still holds DECODE_MIN_BLOCKS_PER_SPLIT of them; fuller grids take
+    it from DECODE_LONG_MIN_KEYS keys per chunk, and 64-key, 4-warp, 2-stage tiles below."""
     pick = lambda bh, length: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=bh, max_seqlen_k=length,
                                               num_sms=132)
     for bh, length in ((8, 4096), (8, 0), (128, 0), (128, 511)):  # B = 1 splits 16 ways: chunks of 256 keys
         assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 3)
-    for bh, length in ((8, 8192), (8, 32768), (8, 131072), (128, 512), (128, 4096)):
-        assert pick(bh, length) == C.DecodeConfig(128, 64, 4, 3)
+    for bh, length in ((8, 8192), (8, 32768), (8, 131072), (128, 512), (128, 4096), (128, 32768), (512, 16384),
+                       (512, 131072), (64, 32768), (32, 131072)):
+        assert pick(bh, length) == LONG
     assert C.decode_config(64, 64, torch.bfloat16, "cuda", batch_heads=8, max_seqlen_k=131072,
                            num_sms=132) == C.DecodeConfig(64, 64, 4, 3)  # 128-key blocks measured at d = 128 only
-    for bh, length in ((128, 32768), (512, 4096), (512, 131072), (256, 4096)):
+    for bh, length in ((512, 4096), (512, 16383), (256, 4096)):
         assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 2)
     assert C.decode_config(128, 128, torch.float32, "cuda", batch_heads=8, max_seqlen_k=4096, num_sms=132).block_n == 32
 

@@ -478,6 +478,7 @@ class DecodeConfig:
     block_m: int  # most packed (query, head) rows per program; more rows launch more programs
     num_warps: int
     num_stages: int
+    balance: bool = True  # the split rule also cuts long caches of full grids into chunks (decode_num_splits)
 
 
 _DECODE_INTERPRETER = DecodeConfig(block_n=32, block_m=64, num_warps=4, num_stages=1)
@@ -495,13 +496,22 @@ _DECODE_HALF = {16: DecodeConfig(64, 64, 4, 2), 32: DecodeConfig(64, 64, 4, 2), 
 #   splits: 12.4); B = 1, L = 128k 2.40 -> 3.38 TB/s at 369cefa. Over full grids 2 stages stay (above).
 _DECODE_HALF_FILL = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4, 3), 64: DecodeConfig(64, 64, 4, 3),
                      128: DecodeConfig(64, 64, 4, 3)}
-# - v9 (sweep_decode.py at 943df2b, graph-timed / cold): with one program per SM and chunks of at least
-#   DECODE_MIN_BLOCKS_PER_SPLIT 128-key blocks, 128 keys per block keep twice the bytes in flight: B = 1, L = 128k
-#   135.6 -> 128.0 us graph (3.96 -> 4.19 TB/s), 148.3 -> 139.6 us cold; L = 32k 41.0 -> 40.1 / 50.7 -> 50.6;
-#   B = 16, L = 4k 66.7 -> 64.5 / 77.9 -> 76.7. Shorter chunks (B = 1, L = 4k: 16 splits of 256 keys) keep 64 keys:
-#   with 128 the split rule's minimum chunk would halve the splits (8: 12.4 us in v6 against 11.0 for 16 of 64).
-#   d = 128 only (others unmeasured).
-_DECODE_HALF_FILL_LONG = {128: DecodeConfig(128, 64, 4, 3)}
+# - Long chunks: 128-key blocks, 3 stages, and no balance splits (d = 128 only; others unmeasured).
+#   - v9 (sweep_decode.py at 943df2b, graph-timed / cold): with one program per SM and chunks of at least
+#     DECODE_MIN_BLOCKS_PER_SPLIT 128-key blocks, 128 keys per block keep twice the bytes in flight: B = 1, L = 128k
+#     135.6 -> 128.0 us graph (3.96 -> 4.19 TB/s), 148.3 -> 139.6 us cold; L = 32k 41.0 -> 40.1 / 50.7 -> 50.6;
+#     B = 16, L = 4k 66.7 -> 64.5 / 77.9 -> 76.7. Shorter chunks (B = 1, L = 4k: 16 splits of 256 keys) keep 64
+#     keys: with 128 the split rule's minimum chunk would halve the splits (8: 12.4 us in v6 against 11.0 for 16).
+#   - v19 (.devrun/dtab.py at db569af, graph-timed, two passes, SDPA's default in the same process): cuDNN's decode
+#     kernel runs one 4-warp program per (sequence, kv head), unsplit, with 86 KiB of shared memory (ncu). The same
+#     shape here, this tile at the fill split count (one program per SM or more) and no balance splits, against the
+#     table's 64-key 2-stage tile with balance splits: B = 16, L = 32k 489.7-490.3 -> 475.1-475.2 us (SDPA 472.9-
+#     473.3), L = 128k 1912-1913 -> 1893 (1885-1891); B = 32, L = 32k 964 -> 952 (961); B = 64, L = 32k 1918 ->
+#     1882-1887 (1915-1924), L = 128k 7630-7632 -> 7497-7506 (7677-7686); B = 8, L = 32k 2 splits 251 -> 243 (245-246);
+#     B = 4, L = 128k 4 splits 491 -> 477-479 (479-482). At B = 64, L = 4k it read 245.5-246.4 against the 64-key
+#     tile's 244.4-245.2, so grids past one program per SM take it from DECODE_LONG_MIN_KEYS keys per chunk.
+_DECODE_LONG = {128: DecodeConfig(128, 64, 4, 3, balance=False)}
+DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the grid has more programs than SMs (between 4k and 32k: above)
 # - Paged caches (session 18, sweep_decode.py --paged 256 at fbc1758, graph-timed, d = 128 bf16, Hq 32, Hkv 8): the
 #   page id feeds each block's K/V addresses, so the pipeliner keeps fewer K/V loads in flight than for a contiguous
 #   cache, and the contiguous tiles left paged B = 1 at 2.3-2.6 TB/s. Five stages restore the depth. The gathered
@@ -532,11 +542,17 @@ def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_typ
     fill = 0 < batch_heads * splits <= num_sms  # at most one program per SM
     if paged and padded in _DECODE_PAGED:
         return (_DECODE_PAGED_FILL if fill else _DECODE_PAGED)[padded]
+    long = _DECODE_LONG.get(padded)
+    if long is not None and not paged:
+        if fill:  # chunks of at least DECODE_MIN_BLOCKS_PER_SPLIT 128-key blocks
+            least, chunks = DECODE_MIN_BLOCKS_PER_SPLIT * long.block_n, splits
+        else:  # the long tile's own split count (fill only, no balance): chunks of DECODE_LONG_MIN_KEYS or more
+            least = DECODE_LONG_MIN_KEYS
+            chunks = num_splits or decode_num_splits(batch_heads, max_seqlen_k, num_sms, long.block_n, balance=False)
+        if -(-max_seqlen_k // chunks) >= least:
+            return long
     if not fill:
         return _DECODE_HALF[padded]
-    long = _DECODE_HALF_FILL_LONG.get(padded)
-    if long is not None and -(-max_seqlen_k // splits) >= DECODE_MIN_BLOCKS_PER_SPLIT * long.block_n:
-        return long
     return _DECODE_HALF_FILL.get(padded, _DECODE_HALF[padded])
 
 
@@ -549,7 +565,8 @@ def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_typ
 # - Balance: a long cache in a full grid still leaves a tail (a few long programs per SM finishing at different
 #   times), so cut it into chunks of about DECODE_BALANCE_BLOCKS blocks, at most DECODE_BALANCE_MAX_SPLITS.
 #   B = 64 (512 programs): 8 splits gave 4.46 TB/s at L = 32k (512 blocks -> 64 per chunk) and 16 gave 4.54 at
-#   128k (2048 blocks, capped at 16), against <= 4.41 for one split.
+#   128k (2048 blocks, capped at 16), against <= 4.41 for one split. Measured with the 64-key 2-stage tile; the
+#   long-chunk tile (_DECODE_LONG, balance=False) streams as well unsplit (v19) and skips this need.
 # Every chunk keeps at least DECODE_MIN_BLOCKS_PER_SPLIT blocks (B = 1, L = 4k: 8 splits of 4 128-key blocks took
 # 18.0 us in v1; 16 splits of 4 64-key blocks 11.6 us at 3d9bcdd), and there are never more than DECODE_MAX_SPLITS.
 DECODE_BALANCE_BLOCKS = 64
@@ -559,10 +576,11 @@ DECODE_MAX_SPLITS = 128
 INTERPRETER_SMS = 8  # a stand-in SM count for CPU tensors under the interpreter
 
 
-def decode_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: int) -> int:
-    """Key chunks per (sequence, kv head) for a grid of ``programs`` per split, keys up to ``max_seqlen_k``."""
+def decode_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: int, balance: bool = True) -> int:
+    """Key chunks per (sequence, kv head) for a grid of ``programs`` per split, keys up to ``max_seqlen_k``; without
+    ``balance`` (the tile's ``DecodeConfig.balance``) only the fill need counts."""
     blocks = -(-max_seqlen_k // block_n)
     fill = num_sms // max(programs, 1)
-    balance = min(DECODE_BALANCE_MAX_SPLITS, blocks // DECODE_BALANCE_BLOCKS)
+    balance = min(DECODE_BALANCE_MAX_SPLITS, blocks // DECODE_BALANCE_BLOCKS) if balance else 1
     most = min(DECODE_MAX_SPLITS, blocks // DECODE_MIN_BLOCKS_PER_SPLIT)
     return max(1, min(most, max(fill, balance)))

@@ -415,6 +415,7 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
     plan = step.plans.get(config)
     if plan is None:
         plan = step.plans[config] = _make_plan(q, k_cache, v_cache, block_table, config, causal)
-    splits = num_splits or decode_num_splits(plan.grid_bh * plan.row_blocks, longest, sms, config.block_n)
+    splits = num_splits or decode_num_splits(plan.grid_bh * plan.row_blocks, longest, sms, config.block_n,
+                                             config.balance)
     splits = max(1, min(splits, cdiv(longest, config.block_n)))  # more would only add empty chunks
     return config, plan, splits
