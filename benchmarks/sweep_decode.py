@@ -91,7 +91,7 @@ def sweep_case(b, length, tiles, splits_list, results, cold=False, page=0, cross
         except Exception as err:
             print(f"  B={b} L={length} {_label(tile, splits)}: {type(err).__name__}: {str(err)[:80]}", flush=True)
             continue
-        used = splits or C.decode_num_splits(b * HKV, length, _sm_count(q.device), tile.block_n)
+        used = splits or C.decode_num_splits(b * HKV, length, _sm_count(q.device), tile.block_n, tile.balance)
         scores.append((tbps(ms), ms, tile, used, kind))
         results.append({"B": b, "L": length, "page": page, "kind": kind, "cold": cold, "tile": tile.__dict__, "splits": used,
                         "us": round(ms * 1e3, 2), "tbps": round(tbps(ms), 3)})

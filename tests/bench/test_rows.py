@@ -12,7 +12,7 @@ from onlineattn.bench import rows
 def test_warm_up_without_cuda_returns_at_once(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     start = time.perf_counter()
-    rows.warm_up_gpu(5.0)
+    assert rows.warm_up_gpu(5.0) == 0
     assert time.perf_counter() - start < 1.0
 
 
@@ -22,11 +22,9 @@ def test_warm_up_keeps_the_gpu_busy_and_frees_its_memory():
     x @ x  # cuBLAS keeps its workspace in the caching allocator from the first matmul on: not the warm-up's
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    rows.warm_up_gpu(0.2)
-    end.record()
-    torch.cuda.synchronize()
-    assert start.elapsed_time(end) >= 150.0  # ms of work on the device, not only host time
+    start = time.perf_counter()
+    done = rows.warm_up_gpu(0.2)
+    elapsed = time.perf_counter() - start
+    # 8192^3 bf16 matmuls take about 1.4 ms each on an H200: the time went to them, not to waiting on the host
+    assert elapsed >= 0.2 and done >= 8 and done >= 0.5 * elapsed / 2e-3
     assert torch.cuda.memory_allocated() == before

@@ -334,6 +334,25 @@ def test_split_heuristic():
     assert C.decode_num_splits(1 * 8, 131072, sms, 128, balance=False) == 16
 
 
+def test_launcher_splits_as_its_tile_says(monkeypatch):
+    """_choose counts splits with the chosen tile's balance: the long tile fills the SMs and no more (B = 64, 128k:
+    one split; B = 8, 32k: two), the 64-key tile of a full grid keeps its balance splits (B = 64, 4k: one; with
+    64-key blocks at 32k, eight). Zero-stride caches stand in for the long ones (nothing is launched)."""
+    monkeypatch.setattr(D, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(D, "decode_config", lambda d, dv, dtype, device_type, **kw: C.decode_config(
+        d, dv, dtype, "cuda", **kw))
+    for b, length, tile, splits in ((64, 131072, LONG, 1), (8, 32768, LONG, 2),
+                                    (64, 4096, C.DecodeConfig(64, 64, 4, 2), 1), (1, 4096, C.DecodeConfig(64, 64, 4, 3), 16)):
+        q = torch.zeros(b, 1, 32, 128, dtype=torch.bfloat16)
+        cache = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16).expand(b, length, 8, 128)
+        chosen = D._choose(D._Step(), q, cache, cache, None, False, length, 0, None)
+        assert (chosen[0], chosen[2]) == (tile, splits)
+    q = torch.zeros(64, 1, 32, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16).expand(64, 32768, 8, 128)
+    chosen = D._choose(D._Step(), q, cache, cache, None, False, 32768, 0, C.DecodeConfig(64, 64, 4, 2))
+    assert chosen[2] == 8  # balance: 512 blocks / 64
+
+
 def test_growing_lengths_reuse_one_step(monkeypatch):
     """The step memo leaves the lengths out of its key (they grow by one per decoding step): the split count is
     recomputed, the plan and its relaunches are kept."""
@@ -374,8 +393,19 @@ def test_decode_tiles():
         assert pick(bh, length) == LONG
     assert C.decode_config(64, 64, torch.bfloat16, "cuda", batch_heads=8, max_seqlen_k=131072,
                            num_sms=132) == C.DecodeConfig(64, 64, 4, 3)  # 128-key blocks measured at d = 128 only
-    for bh, length in ((512, 4096), (512, 16383), (256, 4096)):
+    for bh, length in ((512, 4096), (512, 16383), (256, 4096), (512, 0)):
         assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 2)
+    # the long tile's own split count fills the SMs once: 512 keys a chunk suffice, as in fill grids
+    for bh, length in ((128, 8192), (32, 32768), (16, 65536)):
+        assert pick(bh, length) == LONG
+    # explicit split counts in a full grid: chunks of 16384 keys or more take the long tile
+    explicit = lambda splits: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=512,  # noqa: E731
+                                              max_seqlen_k=32768, num_sms=132, num_splits=splits)
+    assert explicit(2) == LONG and explicit(4) == C.DecodeConfig(64, 64, 4, 2)
+    assert C.decode_config(128, 128, torch.float16, "cuda", batch_heads=512, max_seqlen_k=131072, num_sms=132) == LONG
+    for d, dtype in ((64, torch.bfloat16), (256, torch.bfloat16), (128, torch.float32)):  # long tile at d = 128 only
+        tile = C.decode_config(d, d, dtype, "cuda", batch_heads=512, max_seqlen_k=131072, num_sms=132)
+        assert tile.balance and tile.block_n < 128
     assert C.decode_config(128, 128, torch.float32, "cuda", batch_heads=8, max_seqlen_k=4096, num_sms=132).block_n == 32
 
 

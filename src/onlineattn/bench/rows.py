@@ -58,17 +58,20 @@ def append_rows(out: Path | None, rows) -> None:
 WARM_UP_SECONDS = 0.25
 
 
-def warm_up_gpu(seconds: float = WARM_UP_SECONDS) -> None:
+def warm_up_gpu(seconds: float = WARM_UP_SECONDS) -> int:
     """Keep the GPU busy with bfloat16 matmuls for about ``seconds``. The bench calls it before each timed point,
     after the point's first call (its compile, which can leave the GPU idle for seconds), so every point starts at
     the clocks of a busy GPU: the first point of a pass had read low (NOTES v14: d = 256 causal N = 512 200.5 in one
-    pass, 331.1 in the next), whichever provider came first. Nothing without CUDA."""
+    pass, 331.1 in the next), whichever provider came first. Returns the matmuls run (none without CUDA)."""
     if not torch.cuda.is_available():
-        return
+        return 0
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     end = time.perf_counter() + seconds
+    done = 0
     while time.perf_counter() < end:
         for _ in range(8):
             a @ a
+        done += 8
         torch.cuda.synchronize()
     del a
+    return done

@@ -509,9 +509,11 @@ _DECODE_HALF_FILL = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4,
 #     473.3), L = 128k 1912-1913 -> 1893 (1885-1891); B = 32, L = 32k 964 -> 952 (961); B = 64, L = 32k 1918 ->
 #     1882-1887 (1915-1924), L = 128k 7630-7632 -> 7497-7506 (7677-7686); B = 8, L = 32k 2 splits 251 -> 243 (245-246);
 #     B = 4, L = 128k 4 splits 491 -> 477-479 (479-482). At B = 64, L = 4k it read 245.5-246.4 against the 64-key
-#     tile's 244.4-245.2, so grids past one program per SM take it from DECODE_LONG_MIN_KEYS keys per chunk.
+#     tile's 244.4-245.2, so grids past one program per SM take it from DECODE_LONG_MIN_KEYS keys per chunk. Where
+#     the long tile's own (unbalanced) split count fills the SMs at most once, 512 keys a chunk suffice, as in the
+#     fill grids (B = 16 at 8k, B = 4 at 32k, B = 2 at 64k: between measured points, unmeasured themselves).
 _DECODE_LONG = {128: DecodeConfig(128, 64, 4, 3, balance=False)}
-DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the grid has more programs than SMs (between 4k and 32k: above)
+DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the long tile's grid has more programs than SMs (4k < it <= 32k)
 # - Paged caches (session 18, sweep_decode.py --paged 256 at fbc1758, graph-timed, d = 128 bf16, Hq 32, Hkv 8): the
 #   page id feeds each block's K/V addresses, so the pipeliner keeps fewer K/V loads in flight than for a contiguous
 #   cache, and the contiguous tiles left paged B = 1 at 2.3-2.6 TB/s. Five stages restore the depth. The gathered
@@ -546,9 +548,10 @@ def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_typ
     if long is not None and not paged:
         if fill:  # chunks of at least DECODE_MIN_BLOCKS_PER_SPLIT 128-key blocks
             least, chunks = DECODE_MIN_BLOCKS_PER_SPLIT * long.block_n, splits
-        else:  # the long tile's own split count (fill only, no balance): chunks of DECODE_LONG_MIN_KEYS or more
-            least = DECODE_LONG_MIN_KEYS
+        else:  # the long tile's own split count (fill only, no balance), which may still fill the SMs once
             chunks = num_splits or decode_num_splits(batch_heads, max_seqlen_k, num_sms, long.block_n, balance=False)
+            own_fill = 0 < batch_heads * chunks <= num_sms
+            least = DECODE_MIN_BLOCKS_PER_SPLIT * long.block_n if own_fill else DECODE_LONG_MIN_KEYS
         if -(-max_seqlen_k // chunks) >= least:
             return long
     if not fill:
