@@ -189,17 +189,17 @@ def decode_kernel(
         p_count = COUNTS + pid_bh * tl.num_programs(1) + pid_m
         if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.store(p_count, 0)  # ready for the next launch that uses this workspace
+            # New names for the merged rows: the at-once merge's tile has MERGE_ROWS rows, not BLOCK_M.
             if MERGE_SPLITS > 0:  # the program's rows are all the rows (one row block): one load of every partial
                 w_o, w_lse = _merge_splits_at_once(WORK, lse_parts, first, rows, num_splits, o_dv, m_dv,
                                                    MERGE_SPLITS, MERGE_ROWS, HEAD_DIM_V)
                 w_i, w_h, w_r = packed_rows(0, off_hkv, seqlen_q, MERGE_ROWS, GROUP)
-                _store_state(O, LSE, w_o, w_lse, off_b, w_i, w_h, w_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP,
-                             HEAD_DIM_V, STORE_LSE)
             else:
-                b_o, b_lse = _merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M,
+                w_o, w_lse = _merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M,
                                            BLOCK_DV, MERGE_STAGES)
-                _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP,
-                             HEAD_DIM_V, STORE_LSE)
+                w_i, w_h, w_r = o_i, o_h, m_r
+            _store_state(O, LSE, w_o, w_lse, off_b, w_i, w_h, w_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP, HEAD_DIM_V,
+                         STORE_LSE)
     else:
         _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP, HEAD_DIM_V,
                      STORE_LSE)
