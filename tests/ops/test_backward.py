@@ -130,6 +130,39 @@ def _check_config(inputs, causal, config, scale=0.2):
         R.assert_within_rule(name, got, want, ref, "float16")
 
 
+def test_causal_head_groups_rule():
+    """Causal launches interleave equal groups of at most BWD_CAUSAL_HEAD_GROUP (batch, kv head) columns; a few
+    columns (a long sequence's), and non-causal launches, go head after head."""
+    from onlineattn.ops._configs import BWD_CAUSAL_HEAD_GROUP as G, bwd_head_group
+
+    assert G == 8
+    assert [bwd_head_group(h, True) for h in (1, 2, 8, 9, 16, 17, 24, 25, 256)] == [1, 1, 1, 5, 8, 6, 8, 7, 8]
+    assert all(bwd_head_group(h, False) == 1 for h in (1, 9, 256))
+
+
+@pytest.mark.parametrize("group", [2, 3])
+@pytest.mark.parametrize("n", [37] + ([530] if DEVICE == "cuda" else []))
+def test_causal_head_groups_cover_every_program(monkeypatch, group, n):
+    """The grouped launch order (at most 2 or 3 of 5 batch x kv-head columns a group: groups of 2, 2, 1 and 3, 2)
+    gives each program one distinct tile in the dK/dV and dQ kernels (on the GPU at 530 keys, the Hopper dK/dV
+    kernel's): the same bits as head after head, and within the rule."""
+    from onlineattn.ops import _configs
+
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+    q, k, v, do = _case(5, n, n, 2, 1, 64, 64, dtype, seed=n + group)
+    o, lse = F.forward(q, k, v, 0.125, True)
+    monkeypatch.setattr(_configs, "BWD_CAUSAL_HEAD_GROUP", 1)
+    plain = B.backward(do, q, k, v, o, lse, 0.125, True)
+    monkeypatch.setattr(_configs, "BWD_CAUSAL_HEAD_GROUP", group)
+    assert _configs.bwd_head_group(5, True) == group
+    grads = B.backward(do, q, k, v, o, lse, 0.125, True)
+    exact = R.naive_attention_backward(q, k, v, do, causal=True, softmax_scale=0.125)
+    base = _baseline_grads(q, k, v, do, True, scale=0.125)
+    for name, got, same, want, ref in zip(("dq", "dk", "dv"), grads, plain, exact, base):
+        assert torch.equal(got, same), name
+        R.assert_within_rule(name, got, want, ref, _name(dtype))
+
+
 def test_backward_op_schema_and_fake():
     q, k, v, do = _case(1, 9, 13, 4, 2, 40, 24, torch.float16, seed=15)
     o, lse = F.forward(q, k, v, 0.25, True)

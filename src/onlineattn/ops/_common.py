@@ -59,21 +59,22 @@ def finalize_state(m_i, l_i, acc):
 
 
 @triton.jit
-def tile_order(HEADS_PER_GROUP: tl.constexpr):
+def tile_order(heads_per_group):
     """``(pid_m, pid_bh)`` of this program in a longest-first order over a grid ``(row tiles, batch · kv heads)``.
 
     The GPU hands out programs in launch order (``program_id(0)`` fastest). Taken in that order, the (batch, kv head)
-    columns go by in groups of ``HEADS_PER_GROUP``; within a group the row tiles run from the last (under causal
-    masking, the one with the most key blocks) to the first, each across the group's heads. So the heaviest tiles of
-    the last group start early and the grid ends on light ones, while the K/V being read at any moment belong to one
-    group of heads and stay in L2. ``HEADS_PER_GROUP = 1`` is the plain order: each head's tiles, last to first.
+    columns go by in groups of ``heads_per_group`` (a constexpr or a runtime int); within a group the row tiles run
+    from the last (under causal masking, the one with the most key blocks) to the first, each across the group's
+    heads. So the heaviest tiles of the last group start early and the grid ends on light ones, while the K/V being
+    read at any moment belong to one group of heads and stay in L2. ``heads_per_group = 1`` is the plain order:
+    each head's tiles, last to first. (The backward's kernels take it too, their tiles being key blocks for dK/dV.)
     """
     num_m = tl.num_programs(0)
     num_bh = tl.num_programs(1)
     pid = tl.program_id(1).to(tl.int64) * num_m + tl.program_id(0)
-    per_group = HEADS_PER_GROUP * num_m
-    first_bh = pid // per_group * HEADS_PER_GROUP
-    heads = tl.minimum(num_bh - first_bh, HEADS_PER_GROUP)  # the last group may be short
+    per_group = heads_per_group * num_m
+    first_bh = pid // per_group * heads_per_group
+    heads = tl.minimum(num_bh - first_bh, heads_per_group)  # the last group may be short
     r = pid % per_group
     return (num_m - 1 - r // heads).to(tl.int32), (first_bh + r % heads).to(tl.int32)
 

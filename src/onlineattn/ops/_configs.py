@@ -434,6 +434,30 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
     return replace(cfg, dkdv=ws, dq=_BWD_WS_DQ.get(head_dim, cfg.dq))
 
 
+# - The backward's causal launch order (session 28, NOTES v20). The dK/dV and dQ grids ran head after head, each
+#   head's heaviest program first, so the last heads' heaviest programs started late. A list-scheduling model (132
+#   SMs, one program each, a program's cost its row tiles or key blocks + 1) put that tail at 5-7 % (dK/dV) and
+#   10-14 % (dQ) of the d = 256 causal backward at N = 512-8192, and under 3 % with equal groups of up to 8-32
+#   heads (tile_order). Measured (.devrun/bsweep28*.py, whole backward, TFLOP/s, best of three alternated in one
+#   process; the other call's separate processes agreed), groups of 1 / 8 / 32: d = 256 N = 1024 / 2048 / 4096 /
+#   8192 222.7 / 226.9 / 224.9, 282.4 / 292.2 / 282.1, 323.9 / 335.3 / 327.1, 358.0 / 363.8 / 366.9; d = 64
+#   512-2048 within 1.5 %; d = 128 deterministic=False 1024 / 2048 280.7 / 284.7 / 284.4, 360.7 / 374.6 / 356.9.
+#   So 0-3.5 %, far under the model: the d = 256 causal gap to cuDNN is not the tail. Every head at once (one
+#   group) lost 5-15 % at N = 512-2048 (the programs running together then share no head's K/V or Q/dO in L2),
+#   and a lone group of 8 heads (d = 256, N = 16384) 0.4-1.8 %: at most 8 columns go head after head.
+BWD_CAUSAL_HEAD_GROUP = 8
+
+
+def bwd_head_group(heads: int, causal: bool) -> int:
+    """The (batch, kv head) columns a backward launch over ``heads`` of them interleaves (``tile_order``): under
+    causal masking, equal groups of at most BWD_CAUSAL_HEAD_GROUP where there are more columns than that; else 1
+    (head after head: equal programs, or few columns, each long enough to hide the others' tails)."""
+    if not causal or heads <= BWD_CAUSAL_HEAD_GROUP:
+        return 1
+    groups = -(-heads // BWD_CAUSAL_HEAD_GROUP)
+    return -(-heads // groups)
+
+
 @dataclass(frozen=True)
 class BiasGradConfig:
     block_m: int  # query rows per tile (of one head: this kernel does not pack GQA rows)

@@ -46,9 +46,9 @@ except ImportError:  # pragma: no cover - other Triton versions
     backward_sm90 = None
 from ._common import (
     LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, row_tile, sequence_bounds,
-    tma_aligned,
+    tile_order, tma_aligned,
 )
-from ._configs import bwd_config
+from ._configs import bwd_config, bwd_head_group
 from ._launch import bounded_put, cdiv, next_power_of_2, start
 from .forward import (
     KERNEL_DTYPES, _last_dim_contiguous, batch_slices, check_int32_offsets, descriptor, variant_args,
@@ -107,7 +107,7 @@ def attention_bwd_dkdv_kernel(
     # Score variants, as in the forward kernel (None or 0 unless their flag is set).
     CU_Q, CU_K, SLOPES, BIAS, SINKS, RNG,
     stride_sb, stride_bb, stride_bh, stride_bi, stride_bj,
-    window_left, window_right, softcap_in, softcap_out, dropout_p, batch0,
+    window_left, window_right, softcap_in, softcap_out, dropout_p, batch0, head_group,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -117,8 +117,8 @@ def attention_bwd_dkdv_kernel(
     ALIBI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, SINK: tl.constexpr = False,
     DROPOUT: tl.constexpr = False,
 ):
-    pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    pid_n, pid_bh = tile_order(head_group)  # key block 0 (under causal masking the most rows) first
+    pid_n = tl.num_programs(0) - 1 - pid_n
     pid_b = pid_bh // heads_kv  # int32 coordinate for tensor descriptors
     off_b = pid_b.to(tl.int64)
     off_hkv = pid_bh % heads_kv
@@ -288,7 +288,7 @@ def attention_bwd_dq_kernel(
     seqlen_q, seqlen_k, heads_kv, qk_scale, sm_scale,
     CU_Q, CU_K, SLOPES, BIAS, SINKS, RNG,
     stride_sb, stride_bb, stride_bh, stride_bi, stride_bj,
-    window_left, window_right, softcap_in, softcap_out, dropout_p, batch0,
+    window_left, window_right, softcap_in, softcap_out, dropout_p, batch0, head_group,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -298,8 +298,7 @@ def attention_bwd_dq_kernel(
     ALIBI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, SINK: tl.constexpr = False,
     DROPOUT: tl.constexpr = False,
 ):
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)  # longest causal rows first
-    pid_bh = tl.program_id(1)
+    pid_m, pid_bh = tile_order(head_group)  # longest causal rows first
     pid_b = pid_bh // heads_kv
     off_b = pid_b.to(tl.int64)
     off_hkv = pid_bh % heads_kv
@@ -576,11 +575,12 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
         strides_dq, strides_lse = (0, *strides_dq[1:]), (0, strides_lse[1])
     variants = variant_args(mods, causal, scale, b, hq, sq, sk)
     scalars = (sq, sk, hkv, scale * LOG2E, scale)
+    head_group = bwd_head_group(b * hkv, common["CAUSAL"])
     t = cfg.dkdv
     if t.gluon:
         dq_acc, dq_sem = _dq_accumulator(dq, t, causal, sk) if t.fused_dq else (None, None)
         grid_dkdv, dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep,
-                                                    dq_acc=dq_acc, dq_sem=dq_sem)
+                                                    dq_acc=dq_acc, dq_sem=dq_sem, head_group=head_group)
         if t.fused_dq:  # dQ came with dK and dV: no dQ kernel runs, only the pass that scales it
             return (grid_dkdv, dkdv), _scale_dq(dq_acc, scale, dq, keep)
     else:
@@ -592,8 +592,8 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
         dkdv = start(
             keep, attention_bwd_dkdv_kernel, grid_dkdv, 8,
             q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
-            **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows, SPLIT_SCORES=t.split_scores,
-            num_warps=t.num_warps, num_stages=t.num_stages,
+            head_group=head_group, **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows,
+            SPLIT_SCORES=t.split_scores, num_warps=t.num_warps, num_stages=t.num_stages,
         )
     t = cfg.dq
     k_arg, v_arg = k, v
@@ -603,8 +603,8 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     dq_kernel = start(
         keep, attention_bwd_dq_kernel, grid_dq, 7,
         q, k_arg, v_arg, do, lse, delta, dq, *strides_in, *strides_dq, *strides_lse, *scalars, **variants,
-        **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_keys, num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        head_group=head_group, **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_keys,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )
     return (grid_dkdv, dkdv), (grid_dq, dq_kernel)
 

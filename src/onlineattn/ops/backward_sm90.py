@@ -44,7 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from ._common import LOG2E, tma_aligned
+from ._common import LOG2E, tile_order, tma_aligned
 from ._launch import cdiv, start
 from .forward_sm90 import Tile, _sm_count, descriptor
 
@@ -69,14 +69,17 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
                                    stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
                                    stride_dvb, stride_dvs, stride_dvh, dq_rows,
                                    seqlen_q, seqlen_k, heads_kv, qk_scale,
-                                   sm_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                                   STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr,
-                                   FUSED_DQ: gl.constexpr, ORDERED: gl.constexpr, TMA_OUT: gl.constexpr,
-                                   LAST_BLOCK_FIRST: gl.constexpr, EARLY_DV: gl.constexpr):
-    pid_n = gl.program_id(0)
-    if LAST_BLOCK_FIRST:  # ORDERED causal: a tile's adds come from the last key blocks first (_turn)
-        pid_n = gl.num_programs(0) - 1 - pid_n
-    pid_bh = gl.program_id(1)
+                                   sm_scale, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                   HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
+                                   GROUP: gl.constexpr, FUSED_DQ: gl.constexpr, ORDERED: gl.constexpr,
+                                   TMA_OUT: gl.constexpr, LAST_BLOCK_FIRST: gl.constexpr, EARLY_DV: gl.constexpr):
+    # (batch, kv head) columns in groups of head_group (ORDERED launches: 1, so a head's programs launch together),
+    # key block 0 first (under causal masking the one with the most rows), or with LAST_BLOCK_FIRST (ORDERED causal)
+    # the last: a tile's adds then come from the last key blocks first (_turn).
+    last_first, pid_bh = tile_order(head_group)
+    pid_n = last_first
+    if not LAST_BLOCK_FIRST:
+        pid_n = gl.num_programs(0) - 1 - last_first
     off_b = pid_bh // heads_kv
     off_hkv = pid_bh % heads_kv
     n0 = pid_n * BLOCK_N
@@ -598,14 +601,16 @@ def _placeholder(rows: int, d: int, device):
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None,
-                dq_sem=None):
+                dq_sem=None, head_group: int = 1):
     """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
     and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (any float dtype, last dim
     contiguous; by TMA stores where ``stores_by_tma``, else from registers). A ``fused_dq`` tile also adds dS K (dQ
     without the scale) into ``dq_acc`` (float32 ``[B, Sq rounded up to the row tile, Hq, D]``, contiguous, zeroed by
     the caller); a ``dq_ordered`` one adds in a fixed order, counting the adds in ``dq_sem`` (int32 ``[B, Hq, row
     tiles]``, zeroed), and stores its first add to each row tile, so ``dq_acc`` needs zeroing only in the rows no
-    key block sees (causal, Sq > Sk). Returns ``(grid, Relaunch or None)``: with ``keep``, the
+    key block sees (causal, Sq > Sk). ``head_group``: the (batch, kv head) columns launched interleaved
+    (``_configs.bwd_head_group``; 1 for ``dq_ordered``, whose waits need a head's programs launched together).
+    Returns ``(grid, Relaunch or None)``: with ``keep``, the
     launch kept for repeats with new arrays (``descriptors(q, k, v, do, dk, dv, tile), lse, delta, dk, dv,
     dq_descriptor(dq_acc, ...), semaphores(dq_sem, ...)``, placeholders where not fused or not ordered)."""
     if q.shape[-1] not in HEAD_DIMS:
@@ -656,7 +661,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse, delta, dk, dv, dq_arg, semaphores(dq_sem, q.device),
         lse.stride(0), lse.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), rows_per_batch,
-        sq, sk, hkv, scale * LOG2E, scale,
+        sq, sk, hkv, scale * LOG2E, scale, 1 if tile.dq_ordered else head_group,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
         GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, ORDERED=tile.dq_ordered, TMA_OUT=stores_by_tma(q, dk, dv, tile),
         LAST_BLOCK_FIRST=tile.last_block_first and causal, EARLY_DV=tile.early_dv,
