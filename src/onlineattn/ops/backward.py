@@ -3,11 +3,13 @@
 Read top-down: three kernels (and a fused dQ's scaling pass), then the launcher.
 
 1. ``attention_bwd_preprocess_kernel``: ``delta = rowsum(dO ∘ O)`` in float32 (minus the gradient flowing into lse,
-   which enters dS the same way: ``dS = P ∘ (dP − delta + dlse)``).
+   which enters dS the same way: ``dS = P ∘ (dP − delta + dlse)``). Only where no dQ kernel runs (``fused_dq``).
 2. ``attention_bwd_dkdv_kernel``: a program owns ``BLOCK_N`` keys of one (batch, kv head) and loops over the query
    rows of every head in its GQA group, recomputing ``P`` from lse. The group's sum lands in registers, so dK and dV
    need no atomics and no per-head copies.
-3. ``attention_bwd_dq_kernel``: a program owns ``BLOCK_M`` packed query rows, as in the forward, and loops over keys.
+3. ``attention_bwd_dq_kernel``: a program owns ``BLOCK_M`` packed query rows, as in the forward, computes their
+   delta as the preprocess kernel would (and stores it) and loops over keys. It runs first, so the dK/dV kernel,
+   after it, reads that delta: one pass over O and dO fewer.
 4. ``attention_bwd_dq_scale_kernel``: where sm_90's dK/dV kernel sums dQ itself (``fused_dq``, below), dQ is its
    float32 sum times the scale, in dQ's dtype.
 
@@ -88,9 +90,13 @@ def attention_bwd_preprocess_kernel(
 def _row_stats(LSE, DELTA, off_b, o_h, o_i, m_r, stride_lb, stride_lh):
     """lse in the log2 domain (+inf where the row saw nothing, so that P = 2^(s - inf) = 0) and delta, per row."""
     p = off_b * stride_lb + o_h * stride_lh + o_i
+    return _row_lse2(LSE, p, m_r), tl.load(DELTA + p, mask=m_r, other=0.0)
+
+
+@triton.jit
+def _row_lse2(LSE, p, m_r):
     lse = tl.load(LSE + p, mask=m_r, other=float("inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    return lse, tl.load(DELTA + p, mask=m_r, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
 
 
 @triton.jit
@@ -278,13 +284,14 @@ def _dkdv_dscores(b_v, b_q, b_do, b_pt, th, keep, b_delta, INPUT_PRECISION: tl.c
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, O, DLSE,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_dob, stride_dos, stride_doh,
     stride_dqb, stride_dqs, stride_dqh,
     stride_lb, stride_lh,
+    stride_ob, stride_os, stride_oh,
     seqlen_q, seqlen_k, heads_kv, qk_scale, sm_scale,
     CU_Q, CU_K, SLOPES, BIAS, SINKS, RNG,
     stride_sb, stride_bb, stride_bh, stride_bi, stride_bj,
@@ -293,7 +300,7 @@ def attention_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, HAS_DLSE: tl.constexpr,
     VARLEN: tl.constexpr = False, WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False,
     ALIBI: tl.constexpr = False, HAS_BIAS: tl.constexpr = False, SINK: tl.constexpr = False,
     DROPOUT: tl.constexpr = False,
@@ -309,18 +316,28 @@ def attention_bwd_dq_kernel(
         Q += q_start.to(tl.int64) * stride_qs
         DO += q_start.to(tl.int64) * stride_dos
         DQ += q_start.to(tl.int64) * stride_dqs
+        O += q_start.to(tl.int64) * stride_os
         LSE += q_start
         DELTA += q_start
+        DLSE += q_start
         K += k_start.to(tl.int64) * stride_ks
         V += k_start.to(tl.int64) * stride_vs
     o_i, o_h, m_r, o_d, o_dv, o_n, m_d, m_dv = row_tile(pid_m * BLOCK_M, off_hkv, seqlen_q, BLOCK_M, GROUP, BLOCK_N,
                                                         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
 
-    p_q = Q + off_b * stride_qb + o_i[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
+    # delta = rowsum(dO ∘ O) - dlse of these rows (the preprocess kernel's), stored for the dK/dV kernel after this.
     p_do = DO + off_b * stride_dob + o_i[:, None] * stride_dos + o_h[:, None] * stride_doh + o_dv[None, :]
-    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
+    p_o = O + off_b * stride_ob + o_i[:, None] * stride_os + o_h[:, None] * stride_oh + o_dv[None, :]
     b_do = tl.load(p_do, mask=m_r[:, None] & m_dv[None, :], other=0.0)
-    b_lse, b_delta = _row_stats(LSE, DELTA, off_b, o_h, o_i, m_r, stride_lb, stride_lh)
+    b_delta = tl.sum(tl.load(p_o, mask=m_r[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
+                     * b_do.to(tl.float32), 1)
+    p_stats = off_b * stride_lb + o_h * stride_lh + o_i  # DELTA and DLSE share lse's [B, Hq, Sq] layout
+    if HAS_DLSE:
+        b_delta -= tl.load(DLSE + p_stats, mask=m_r, other=0.0).to(tl.float32)
+    tl.store(DELTA + p_stats, b_delta, mask=m_r)
+    b_lse = _row_lse2(LSE, p_stats, m_r)
+    p_q = Q + off_b * stride_qb + o_i[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
     if USE_TMA:  # the descriptors themselves (the pointers are unused)
         p_k = K
         p_v = V
@@ -498,24 +515,23 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
             lq, lk = slice(0, mods.max_seqlen_q), slice(0, mods.max_seqlen_k)
             check_int32_offsets(q=q[:, lq], k=k[:, lk], v=v[:, lk], o=o[:, lq], do=do[:, lq], dq=dq[:, lq],
                                 dk=dk[:, lk], dv=dv[:, lk], lse=lse)
-            _preprocess(o, do, lse, dlse, delta)
             for seqs in batch_slices(mods.cu_seqlens_q.shape[0] - 1, hkv):
-                _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, False, False, mods.batch_slice(seqs))
+                _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, False, False,
+                        mods.batch_slice(seqs))
         else:
             check_int32_offsets(q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse)
             for rows in batch_slices(b, max(hq, hkv)):
                 if rows == slice(0, b):  # the whole batch: no views to make (each costs host time)
                     keep = mods is PLAIN and launch_cache.enabled  # a plain call is kept for its repeats (_repeat)
-                    pre = _preprocess(o, do, lse, dlse, delta, keep)
-                    kernels = _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys,
-                                      mods, keep)
+                    kernels = _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tma_rows,
+                                      tma_keys, mods, keep)
                     if keep:
                         _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, (config, exact),
-                                  _Step(cfg, tma_rows, tma_keys, pre, *kernels))
+                                  _Step(cfg, tma_rows, tma_keys, *kernels))
                     continue
-                _preprocess(o[rows], do[rows], lse[rows], None if dlse is None else dlse[rows], delta[rows])
-                _launch(do[rows], q[rows], k[rows], v[rows], lse[rows], delta[rows], dq[rows], dk[rows], dv[rows],
-                        scale, causal, cfg, tma_rows, tma_keys, mods.batch_slice(rows))
+                _launch(do[rows], q[rows], k[rows], v[rows], o[rows], lse[rows], None if dlse is None else dlse[rows],
+                        delta[rows], dq[rows], dk[rows], dv[rows], scale, causal, cfg, tma_rows, tma_keys,
+                        mods.batch_slice(rows))
         if bias_grad:
             dbias = bias_grad_kernel.bias_gradient(q, k, v, do, lse, delta, scale, causal, mods)
     if bias_grad and dbias is None:
@@ -552,11 +568,14 @@ def _preprocess(o, do, lse, dlse, delta, keep: bool = False):
     )
 
 
-def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys, mods: Mods = PLAIN,
-            keep: bool = False):
-    """The dK/dV and dQ kernels over q ``[B, Sq, Hq, D]`` (with varlen ``mods``: packed ``[1, total, H, D]`` views,
-    one program column per sequence and kv head). Returns ``(grid, Relaunch)`` of each launch: with ``keep`` the
-    Relaunch to repeat it (None where it cannot be kept), else None."""
+def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, tma_keys,
+            mods: Mods = PLAIN, keep: bool = False):
+    """The kernels over q ``[B, Sq, Hq, D]`` (with varlen ``mods``: packed ``[1, total, H, D]`` views, one program
+    column per sequence and kv head), delta into ``delta``: the dQ kernel (which computes delta), then the dK/dV
+    kernel; or, where the dK/dV kernel fuses dQ, the preprocess kernel, the dK/dV kernel and the pass that scales
+    dQ. Returns ``(pre, dkdv, dq)``, each ``(grid, Relaunch)`` (``pre`` None without the preprocess kernel; ``dq``
+    the scaling pass where fused): with ``keep`` the Relaunch to repeat it (None where it cannot be kept), else
+    None."""
     b, sq, hq, d = q.shape
     sk, hkv, dv_dim = k.shape[1], k.shape[2], v.shape[3]
     group = hq // hkv
@@ -567,46 +586,51 @@ def _launch(do, q, k, v, lse, delta, dq, dk, dv, scale, causal, cfg, tma_rows, t
     )
     strides_in = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3])
     strides_dk = (*dk.stride()[:3], *dv.stride()[:3])
-    strides_dq, strides_lse = dq.stride()[:3], lse.stride()[:2]
+    strides_dq, strides_lse, strides_o = dq.stride()[:3], lse.stride()[:2], o.stride()[:3]
     if mods.varlen:  # one sequence per batch entry: batch strides 0, each program moves its pointers
         b, sq, sk = mods.cu_seqlens_q.shape[0] - 1, mods.max_seqlen_q, mods.max_seqlen_k
         strides_in = tuple(0 if i % 3 == 0 else x for i, x in enumerate(strides_in))
         strides_dk = tuple(0 if i % 3 == 0 else x for i, x in enumerate(strides_dk))
-        strides_dq, strides_lse = (0, *strides_dq[1:]), (0, strides_lse[1])
+        strides_dq, strides_lse, strides_o = (0, *strides_dq[1:]), (0, strides_lse[1]), (0, *strides_o[1:])
     variants = variant_args(mods, causal, scale, b, hq, sq, sk)
     scalars = (sq, sk, hkv, scale * LOG2E, scale)
     head_group = bwd_head_group(b * hkv, common["CAUSAL"])
     t = cfg.dkdv
-    if t.gluon:
-        dq_acc, dq_sem = _dq_accumulator(dq, t, causal, sk) if t.fused_dq else (None, None)
-        grid_dkdv, dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep,
-                                                    dq_acc=dq_acc, dq_sem=dq_sem, head_group=head_group)
-        if t.fused_dq:  # dQ came with dK and dV: no dQ kernel runs, only the pass that scales it
-            return (grid_dkdv, dkdv), _scale_dq(dq_acc, scale, dq, keep)
-    else:
-        q_arg, do_arg = q, do
-        if tma_rows:
-            q_arg = descriptor(q, t.block_m // group, group, block_d)
-            do_arg = descriptor(do, t.block_m // group, group, block_dv)
-        grid_dkdv = (cdiv(sk, t.block_n), b * hkv)
-        dkdv = start(
-            keep, attention_bwd_dkdv_kernel, grid_dkdv, 8,
-            q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
-            head_group=head_group, **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows,
-            SPLIT_SCORES=t.split_scores, num_warps=t.num_warps, num_stages=t.num_stages,
-        )
+    if t.gluon and t.fused_dq:  # dQ comes with dK and dV: delta first, and after them the pass that scales dQ
+        pre = _preprocess(o, do, lse, dlse, delta, keep)
+        dq_acc, dq_sem = _dq_accumulator(dq, t, causal, sk)
+        dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep, dq_acc=dq_acc,
+                                         dq_sem=dq_sem, head_group=head_group)
+        return pre, dkdv, _scale_dq(dq_acc, scale, dq, keep)
     t = cfg.dq
     k_arg, v_arg = k, v
     if tma_keys:
         k_arg, v_arg = descriptor(k, t.block_n, 1, block_d), descriptor(v, t.block_n, 1, block_dv)
     grid_dq = (cdiv(sq * group, t.block_m), b * hkv)
     dq_kernel = start(
-        keep, attention_bwd_dq_kernel, grid_dq, 7,
-        q, k_arg, v_arg, do, lse, delta, dq, *strides_in, *strides_dq, *strides_lse, *scalars, **variants,
-        head_group=head_group, **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_keys,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        keep, attention_bwd_dq_kernel, grid_dq, 9,
+        q, k_arg, v_arg, do, lse, delta, dq, o, lse if dlse is None else dlse, *strides_in, *strides_dq,
+        *strides_lse, *strides_o, *scalars, **variants, head_group=head_group, **common, BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n, USE_TMA=tma_keys, HAS_DLSE=dlse is not None, num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )
-    return (grid_dkdv, dkdv), (grid_dq, dq_kernel)
+    t = cfg.dkdv
+    if t.gluon:
+        dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep,
+                                         head_group=head_group)
+    else:
+        q_arg, do_arg = q, do
+        if tma_rows:
+            q_arg = descriptor(q, t.block_m // group, group, block_d)
+            do_arg = descriptor(do, t.block_m // group, group, block_dv)
+        grid_dkdv = (cdiv(sk, t.block_n), b * hkv)
+        dkdv = grid_dkdv, start(
+            keep, attention_bwd_dkdv_kernel, grid_dkdv, 8,
+            q_arg, k, v, do_arg, lse, delta, dk, dv, *strides_in, *strides_dk, *strides_lse, *scalars, **variants,
+            head_group=head_group, **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_rows,
+            SPLIT_SCORES=t.split_scores, num_warps=t.num_warps, num_stages=t.num_stages,
+        )
+    return None, dkdv, (grid_dq, dq_kernel)
 
 
 def _dq_accumulator(dq, tile, causal: bool, seqlen_k: int):
@@ -647,10 +671,11 @@ def _scale_dq(dq_acc, scale: float, dq, keep: bool = False):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Repeats. A training loop runs the backward with the same shapes every step, so a plain whole-batch call keeps its
-# choices (tile, descriptor use) and its three launches (``_Step``; with a fused dQ, the pass that scales it stands in
-# the dQ kernel's place), keyed by the metadata they depend on; a repeat only swaps the tensors in (``Relaunch``) and
-# rebuilds the descriptors around them. All must be ready before any starts; where one is not (a hook set, an
-# alignment changed...), the call takes the full path, which keeps a fresh step.
+# choices (tile, descriptor use) and its launches (``_Step``: the dQ and dK/dV kernels, or with a fused dQ the
+# preprocess kernel, the dK/dV kernel and the pass that scales dQ), keyed by the metadata they depend on; a repeat
+# only swaps the tensors in (``Relaunch``) and rebuilds the descriptors around them. All must be ready before any
+# starts; where one is not (a hook set, an alignment changed...), the call takes the full path, which keeps a fresh
+# step.
 
 
 class _Step:
@@ -658,7 +683,8 @@ class _Step:
 
     def __init__(self, cfg, tma_rows: bool, tma_keys: bool, pre, dkdv, dq):
         self.cfg, self.tma_rows, self.tma_keys = cfg, tma_rows, tma_keys
-        self.pre, self.dkdv, self.dq = pre, dkdv, dq  # each (grid, Relaunch or None); dq: the scaling pass if fused
+        # each (grid, Relaunch or None); pre None without the preprocess kernel; dq the scaling pass if fused
+        self.pre, self.dkdv, self.dq = pre, dkdv, dq
 
 
 _STEPS: dict = {}
@@ -686,9 +712,9 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
     """Launch a plain backward seen before through its kept launches; False, launching nothing, where there is no
     step for this metadata or one of its launches cannot be repeated."""
     step = _STEPS.get(_step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing))
-    if step is None or step.pre[1] is None or step.dkdv[1] is None or step.dq[1] is None:
+    if step is None or step.dkdv[1] is None or step.dq[1] is None or (step.pre is not None and step.pre[1] is None):
         return False
-    fused = step.cfg.dkdv.gluon and step.cfg.dkdv.fused_dq  # dQ comes with dK and dV, and a pass scales it
+    fused = step.pre is not None  # dQ comes with dK and dV, after the preprocess kernel, and a pass scales it
     b, sq, hq, d = q.shape
     hkv, dv_dim = k.shape[2], v.shape[3]
     group = hq // hkv
@@ -700,9 +726,8 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
     if step.tma_keys and not fused:
         keys = step.cfg.dq.block_n
         k_arg, v_arg = descriptor(k, keys, 1, block_d), descriptor(v, keys, 1, block_dv)
-    (grid_pre, pre), (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.pre, step.dkdv, step.dq
+    (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.dkdv, step.dq
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    arrays_pre = (o, do, lse if dlse is None else dlse, delta)
     dq_acc, dq_sem = _dq_accumulator(dq, step.cfg.dkdv, causal, k.shape[1]) if fused else (None, None)
     if step.cfg.dkdv.gluon:
         descriptors = backward_sm90.descriptors(q, k, v, do, dk, dv, step.cfg.dkdv)
@@ -710,12 +735,20 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
         arrays_dkdv = (*descriptors, lse, delta, dk, dv, dq_arg, backward_sm90.semaphores(dq_sem, q.device))
     else:
         arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
-    arrays_dq = (dq_acc, dq) if fused else (q, k_arg, v_arg, do, lse, delta, dq)
-    if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and dq_kernel.ready(arrays_dq)):
+    lse_grad = lse if dlse is None else dlse
+    if fused:
+        (grid_pre, pre), arrays_pre, arrays_dq = step.pre, (o, do, lse_grad, delta), (dq_acc, dq)
+        if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and dq_kernel.ready(arrays_dq)):
+            return False
+        pre.go(grid_pre, arrays_pre)
+        dkdv.go(grid_dkdv, arrays_dkdv)
+        dq_kernel.go(grid_dq, arrays_dq)
+        return True
+    arrays_dq = (q, k_arg, v_arg, do, lse, delta, dq, o, lse_grad)
+    if not (dq_kernel.ready(arrays_dq) and dkdv.ready(arrays_dkdv)):
         return False
-    pre.go(grid_pre, arrays_pre)
+    dq_kernel.go(grid_dq, arrays_dq)  # first: it writes the delta the dK/dV kernel reads
     dkdv.go(grid_dkdv, arrays_dkdv)
-    dq_kernel.go(grid_dq, arrays_dq)
     return True
 
 
