@@ -222,6 +222,22 @@ def test_last_block_first_reaches_the_kernel_under_causal_only(monkeypatch):
     assert seen == [False, False, False, True]
 
 
+def test_ordered_launches_go_head_after_head(monkeypatch):
+    """launch_dkdv hands its head group (``bwd_head_group``) to the kernel, except for ordered tiles: their adds wait
+    on each other, so a (batch, kv head)'s programs must launch together (group 1)."""
+    from onlineattn.ops import backward_sm90
+
+    seen = []
+    monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: seen.append(a[-1]) or (a[2], None))
+    q, k, v, do = (torch.randn(1, 300, 2, 128, dtype=torch.bfloat16) for _ in range(4))
+    lse = torch.randn(1, 2, 300)
+    acc = dict(dq_acc=torch.zeros(1, 320, 2, 128))
+    for tile, extra in ((fused_dq_tile(128, ordered=True, causal=True), dict(acc, dq_sem=torch.zeros(
+            1, 2, 5, dtype=torch.int32))), (fused_dq_tile(128, causal=True), acc), (_BWD_WS_DKDV[128], {})):
+        backward_sm90.launch_dkdv(q, k, v, do, lse, lse, k, v, 0.1, True, tile, head_group=5, **extra)
+    assert seen == [1, 5, 5]
+
+
 _COMPILE = """
 import sys, torch, triton
 sys.path.insert(0, {bench!r})

@@ -55,6 +55,7 @@ CASES = [
     Case(d=40, offset=1, sq=16, sk=16),  # seqlens % 16 == 0
     Case(d=128, hq=8, hkv=2, causal=True, dtype=torch.bfloat16),
     Case(d=128, hq=8, hkv=8, b=1, sq=1, sk=64),  # batch 1, one query
+    Case(causal=True, b=5),  # 10 (batch, kv head) columns: the backward's causal head groups (bwd_head_group)
     Case(d=256, hq=2, hkv=2, dtype=torch.bfloat16),
     Case(d=256, hq=2, hkv=2, causal=True, offset=1),
     Case(d=64, dv=128, hq=6, hkv=2),  # group of 3: the dK/dV kernel reads Q through pointers
@@ -121,7 +122,7 @@ def call_case(case: Case, device="cpu") -> list:
         dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5)).to(device)
     bcfg = bwd_config(case.d, dv, case.dtype, case.device_type, causal=case.causal)
     outputs = [o, lse, *backward.gradients(do, q, k, v, o, lse, scale, case.causal, dlse, config=bcfg, mods=mods)]
-    if mods is PLAIN or case.variant == "dlse":  # the delta pass of a fused dQ (the dQ kernel computes it otherwise)
+    if mods is PLAIN:  # the delta pass of a fused dQ (the dQ kernel computes delta otherwise)
         delta = torch.empty(lse.shape, dtype=torch.float32, device=device)
         backward._preprocess(o, do, lse, dlse, delta)
         outputs.append(delta)

@@ -77,13 +77,23 @@ def attention_bwd_preprocess_kernel(
     o_dv = tl.arange(0, BLOCK_DV)
     m_i = o_i < seqlen_q
     m_o = m_i[:, None] & (o_dv < HEAD_DIM_V)[None, :]
-    b_o = tl.load(O + off_b * stride_ob + o_i[:, None] * stride_os + off_h * stride_oh + o_dv[None, :], mask=m_o)
-    b_do = tl.load(DO + off_b * stride_dob + o_i[:, None] * stride_dos + off_h * stride_doh + o_dv[None, :], mask=m_o)
-    b_delta = tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), 1)
-    p_lse = off_b * stride_lb + off_h * stride_lh + o_i  # DELTA and DLSE share lse's [B, Hq, Sq] layout
+    b_do = tl.load(DO + off_b * stride_dob + o_i[:, None] * stride_dos + off_h * stride_doh + o_dv[None, :], mask=m_o,
+                   other=0.0)
+    p_o = O + off_b * stride_ob + o_i[:, None] * stride_os + off_h * stride_oh + o_dv[None, :]
+    _store_delta(p_o, b_do, m_o, DELTA, DLSE, off_b, off_h, o_i, m_i, stride_lb, stride_lh, HAS_DLSE)
+
+
+@triton.jit
+def _store_delta(p_o, b_do, m_o, DELTA, DLSE, off_b, o_h, o_i, m_r, stride_lb, stride_lh, HAS_DLSE: tl.constexpr):
+    """Rows' ``delta = rowsum(dO ∘ O) − dlse`` in float32 from loaded ``b_do`` and O's pointers ``p_o`` (mask
+    ``m_o``), stored where ``m_r`` (DELTA and DLSE share lse's ``[B, Hq, Sq]`` layout: batch ``off_b``, heads
+    ``o_h``, rows ``o_i``). Returns (delta, the rows' offsets in that layout)."""
+    b_delta = tl.sum(tl.load(p_o, mask=m_o, other=0.0).to(tl.float32) * b_do.to(tl.float32), 1)
+    p_stats = off_b * stride_lb + o_h * stride_lh + o_i
     if HAS_DLSE:
-        b_delta -= tl.load(DLSE + p_lse, mask=m_i, other=0.0).to(tl.float32)
-    tl.store(DELTA + p_lse, b_delta, mask=m_i)
+        b_delta -= tl.load(DLSE + p_stats, mask=m_r, other=0.0).to(tl.float32)
+    tl.store(DELTA + p_stats, b_delta, mask=m_r)
+    return b_delta, p_stats
 
 
 @triton.jit
@@ -325,16 +335,12 @@ def attention_bwd_dq_kernel(
     o_i, o_h, m_r, o_d, o_dv, o_n, m_d, m_dv = row_tile(pid_m * BLOCK_M, off_hkv, seqlen_q, BLOCK_M, GROUP, BLOCK_N,
                                                         HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV)
 
-    # delta = rowsum(dO ∘ O) - dlse of these rows (the preprocess kernel's), stored for the dK/dV kernel after this.
+    # These rows' delta (the preprocess kernel's), stored for the dK/dV kernel, which runs after this one.
     p_do = DO + off_b * stride_dob + o_i[:, None] * stride_dos + o_h[:, None] * stride_doh + o_dv[None, :]
     p_o = O + off_b * stride_ob + o_i[:, None] * stride_os + o_h[:, None] * stride_oh + o_dv[None, :]
     b_do = tl.load(p_do, mask=m_r[:, None] & m_dv[None, :], other=0.0)
-    b_delta = tl.sum(tl.load(p_o, mask=m_r[:, None] & m_dv[None, :], other=0.0).to(tl.float32)
-                     * b_do.to(tl.float32), 1)
-    p_stats = off_b * stride_lb + o_h * stride_lh + o_i  # DELTA and DLSE share lse's [B, Hq, Sq] layout
-    if HAS_DLSE:
-        b_delta -= tl.load(DLSE + p_stats, mask=m_r, other=0.0).to(tl.float32)
-    tl.store(DELTA + p_stats, b_delta, mask=m_r)
+    b_delta, p_stats = _store_delta(p_o, b_do, m_r[:, None] & m_dv[None, :], DELTA, DLSE, off_b, o_h, o_i, m_r,
+                                    stride_lb, stride_lh, HAS_DLSE)
     b_lse = _row_lse2(LSE, p_stats, m_r)
     p_q = Q + off_b * stride_qb + o_i[:, None] * stride_qs + o_h[:, None] * stride_qh + o_d[None, :]
     b_q = tl.load(p_q, mask=m_r[:, None] & m_d[None, :], other=0.0)
@@ -607,12 +613,12 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
     if tma_keys:
         k_arg, v_arg = descriptor(k, t.block_n, 1, block_d), descriptor(v, t.block_n, 1, block_dv)
     grid_dq = (cdiv(sq * group, t.block_m), b * hkv)
+    arrays = _dq_arrays(q, k_arg, v_arg, do, lse, delta, dq, o, dlse)
     dq_kernel = start(
-        keep, attention_bwd_dq_kernel, grid_dq, 9,
-        q, k_arg, v_arg, do, lse, delta, dq, o, lse if dlse is None else dlse, *strides_in, *strides_dq,
-        *strides_lse, *strides_o, *scalars, **variants, head_group=head_group, **common, BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n, USE_TMA=tma_keys, HAS_DLSE=dlse is not None, num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        keep, attention_bwd_dq_kernel, grid_dq, len(arrays),
+        *arrays, *strides_in, *strides_dq, *strides_lse, *strides_o, *scalars, **variants, head_group=head_group,
+        **common, BLOCK_M=t.block_m, BLOCK_N=t.block_n, USE_TMA=tma_keys, HAS_DLSE=dlse is not None,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )
     t = cfg.dkdv
     if t.gluon:
@@ -631,6 +637,12 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
             SPLIT_SCORES=t.split_scores, num_warps=t.num_warps, num_stages=t.num_stages,
         )
     return None, dkdv, (grid_dq, dq_kernel)
+
+
+def _dq_arrays(q, k, v, do, lse, delta, dq, o, dlse) -> tuple:
+    """The dQ kernel's array arguments, in its order (the full path's launch and a kept launch's repeat): lse stands
+    in for an absent dlse, unread."""
+    return q, k, v, do, lse, delta, dq, o, lse if dlse is None else dlse
 
 
 def _dq_accumulator(dq, tile, causal: bool, seqlen_k: int):
@@ -735,16 +747,15 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
         arrays_dkdv = (*descriptors, lse, delta, dk, dv, dq_arg, backward_sm90.semaphores(dq_sem, q.device))
     else:
         arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
-    lse_grad = lse if dlse is None else dlse
     if fused:
-        (grid_pre, pre), arrays_pre, arrays_dq = step.pre, (o, do, lse_grad, delta), (dq_acc, dq)
+        (grid_pre, pre), arrays_pre, arrays_dq = step.pre, (o, do, lse if dlse is None else dlse, delta), (dq_acc, dq)
         if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and dq_kernel.ready(arrays_dq)):
             return False
         pre.go(grid_pre, arrays_pre)
         dkdv.go(grid_dkdv, arrays_dkdv)
         dq_kernel.go(grid_dq, arrays_dq)
         return True
-    arrays_dq = (q, k_arg, v_arg, do, lse, delta, dq, o, lse_grad)
+    arrays_dq = _dq_arrays(q, k_arg, v_arg, do, lse, delta, dq, o, dlse)
     if not (dq_kernel.ready(arrays_dq) and dkdv.ready(arrays_dkdv)):
         return False
     dq_kernel.go(grid_dq, arrays_dq)  # first: it writes the delta the dK/dV kernel reads

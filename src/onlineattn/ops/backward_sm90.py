@@ -18,7 +18,7 @@ table's choice per head dim and mask, Sᵀ is waited for alone, Pᵀ computed wh
 issued before dPᵀ is waited for, so dSᵀ is computed while it runs: the same products in the same order),
 
 and the group's sum of dK and dV stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton
-kernel, whose delta pass and dQ kernel this one runs beside. dK and dV leave by TMA stores from two Q/dO stages,
+kernel, after whose dQ kernel (which computes delta) this one runs. dK and dV leave by TMA stores from two Q/dO stages,
 free once both warpgroups are past their last tile, where ``stores_by_tma`` holds (64-row tiles at d = 64/128,
 outputs of q's dtype, aligned, two stages or more); otherwise (d = 256, 128-row tiles, float32 outputs, one stage)
 from registers. Plain attention only: float16/bfloat16, equal head dims (64, 128 or 256), TMA-able strides;
@@ -603,12 +603,12 @@ def _placeholder(rows: int, d: int, device):
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None,
                 dq_sem=None, head_group: int = 1):
     """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
-    and the delta pass's delta (``[B, Hq, Sq]``, last dim contiguous) into ``dk``/``dv`` (any float dtype, last dim
-    contiguous; by TMA stores where ``stores_by_tma``, else from registers). A ``fused_dq`` tile also adds dS K (dQ
-    without the scale) into ``dq_acc`` (float32 ``[B, Sq rounded up to the row tile, Hq, D]``, contiguous, zeroed by
-    the caller); a ``dq_ordered`` one adds in a fixed order, counting the adds in ``dq_sem`` (int32 ``[B, Hq, row
-    tiles]``, zeroed), and stores its first add to each row tile, so ``dq_acc`` needs zeroing only in the rows no
-    key block sees (causal, Sq > Sk). ``head_group``: the (batch, kv head) columns launched interleaved
+    and delta (``[B, Hq, Sq]``, last dim contiguous; from the dQ kernel, or from the preprocess kernel before a fused
+    dQ) into ``dk``/``dv`` (any float dtype, last dim contiguous; by TMA stores where ``stores_by_tma``, else from
+    registers). A ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Sq rounded
+    up to the row tile, Hq, D]``, contiguous, zeroed by the caller); a ``dq_ordered`` one adds in a fixed order,
+    counting the adds in ``dq_sem`` (int32 ``[B, Hq, row tiles]``, zeroed), and stores its first add to each row
+    tile, so ``dq_acc`` needs zeroing only in the rows no key block sees (causal, Sq > Sk). ``head_group``: the (batch, kv head) columns launched interleaved
     (``_configs.bwd_head_group``; 1 for ``dq_ordered``, whose waits need a head's programs launched together).
     Returns ``(grid, Relaunch or None)``: with ``keep``, the
     launch kept for repeats with new arrays (``descriptors(q, k, v, do, dk, dv, tile), lse, delta, dk, dv,

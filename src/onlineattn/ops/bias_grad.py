@@ -1,4 +1,4 @@
-"""The gradient of ``attn_bias`` in Triton: a separate kernel that runs after the backward's delta pass.
+"""The gradient of ``attn_bias`` in Triton: a separate kernel that runs after the backward's kernels (and their delta).
 
 The bias's gradient is the logits' gradient ``dS = P ∘ (dP − delta)`` summed over the dims the bias broadcasts
 (a ``(1, Hq, Sq, Sk)`` bias sums over the batch, a ``(B, 1, 1, Sk)`` one over heads and queries). The dK/dV and dQ
