@@ -152,18 +152,41 @@ def test_causal_head_groups_cover_every_program(monkeypatch, group, n):
     q, k, v, do = _case(5, n, n, 2, 1, 64, 64, dtype, seed=n + group)
     o, lse = F.forward(q, k, v, 0.125, True)
     monkeypatch.setattr(B.launch_cache, "enabled", False)  # a kept launch would repeat the first call's group
-    used = []
-    monkeypatch.setattr(B, "bwd_head_group", lambda *a: used.append(_configs.bwd_head_group(*a)) or used[-1])
+    taken = []  # (kernel, group) of each launch: the Triton kernels take it by name, sm_90's dK/dV kernel last
+    start = B.start
+
+    def recorded(keep, kernel, grid, n_arrays, *args, **kwargs):
+        taken.append((getattr(kernel, "fn", kernel).__name__, kwargs.get("head_group")))
+        return start(keep, kernel, grid, n_arrays, *args, **kwargs)
+
+    monkeypatch.setattr(B, "start", recorded)
+    if B.backward_sm90 is not None:
+        sm90_start = B.backward_sm90.start
+        monkeypatch.setattr(B.backward_sm90, "start", lambda keep, kernel, grid, n, *a, **kw: taken.append(
+            ("sm90_dkdv", a[-1])) or sm90_start(keep, kernel, grid, n, *a, **kw))
     monkeypatch.setattr(_configs, "BWD_CAUSAL_HEAD_GROUP", 1)
     plain = B.backward(do, q, k, v, o, lse, 0.125, True)
     monkeypatch.setattr(_configs, "BWD_CAUSAL_HEAD_GROUP", group)
     grads = B.backward(do, q, k, v, o, lse, 0.125, True)
-    assert used == [1, group]
+    groups = [g for _, g in taken if g is not None]  # not the delta pass or dQ's scaling pass
+    assert len(groups) == 4 and groups == [1, 1, group, group], taken
     exact = R.naive_attention_backward(q, k, v, do, causal=True, softmax_scale=0.125)
     base = _baseline_grads(q, k, v, do, True, scale=0.125)
     for name, got, same, want, ref in zip(("dq", "dk", "dv"), grads, plain, exact, base):
         assert torch.equal(got, same), name
         R.assert_within_rule(name, got, want, ref, _name(dtype))
+
+
+@pytest.mark.parametrize("with_dlse", [False, True])
+def test_delta_pass_matches_torch(with_dlse):
+    """The preprocess kernel (delta before a dK/dV kernel that fuses dQ, where no dQ kernel computes it):
+    rowsum(dO ∘ O) − dlse per row in float32, the head dim padded (40 -> 64) adding nothing."""
+    o, _, _, do = _case(2, 19, 5, 3, 3, 40, 40, torch.float16, seed=40 + with_dlse)
+    dlse = torch.randn(2, 3, 19, device=DEVICE) if with_dlse else None
+    delta = torch.full((2, 3, 19), float("nan"), device=DEVICE)
+    B._preprocess(o, do, torch.zeros(2, 3, 19, device=DEVICE), dlse, delta)
+    want = (do.float() * o.float()).sum(-1).transpose(1, 2) - (0 if dlse is None else dlse)
+    torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
 
 
 def test_backward_op_schema_and_fake():

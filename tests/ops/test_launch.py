@@ -122,11 +122,10 @@ def call_case(case: Case, device="cpu") -> list:
         dlse = torch.randn(lse.shape, generator=torch.Generator().manual_seed(5)).to(device)
     bcfg = bwd_config(case.d, dv, case.dtype, case.device_type, causal=case.causal)
     outputs = [o, lse, *backward.gradients(do, q, k, v, o, lse, scale, case.causal, dlse, config=bcfg, mods=mods)]
-    if mods is PLAIN:  # the delta pass of a fused dQ (the dQ kernel computes delta otherwise)
-        delta = torch.empty(lse.shape, dtype=torch.float32, device=device)
-        backward._preprocess(o, do, lse, dlse, delta)
-        outputs.append(delta)
     if mods is PLAIN:
+        delta = torch.empty(lse.shape, dtype=torch.float32, device=device)  # the delta pass before a fused dQ (the
+        backward._preprocess(o, do, lse, dlse, delta)  # dQ kernel computes delta otherwise)
+        outputs.append(delta)
         dcfg = decode_config(case.d, dv, case.dtype, case.device_type, batch_heads=b * case.hkv,
                              max_seqlen_k=case.sk, num_sms=132)
         seqlens = torch.full((b,), case.sk, dtype=torch.int32, device=device)

@@ -18,11 +18,12 @@ table's choice per head dim and mask, Sᵀ is waited for alone, Pᵀ computed wh
 issued before dPᵀ is waited for, so dSᵀ is computed while it runs: the same products in the same order),
 
 and the group's sum of dK and dV stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton
-kernel, after whose dQ kernel (which computes delta) this one runs. dK and dV leave by TMA stores from two Q/dO stages,
-free once both warpgroups are past their last tile, where ``stores_by_tma`` holds (64-row tiles at d = 64/128,
-outputs of q's dtype, aligned, two stages or more); otherwise (d = 256, 128-row tiles, float32 outputs, one stage)
-from registers. Plain attention only: float16/bfloat16, equal head dims (64, 128 or 256), TMA-able strides;
-``backward.py`` routes a launch here when ``bwd_config`` picks a ``gluon`` dK/dV tile.
+kernel, after whose dQ kernel (which computes delta) this one runs (with ``fused_dq``, below, after the preprocess
+kernel). dK and dV leave by TMA stores from two Q/dO stages, free once both warpgroups are past their last tile,
+where ``stores_by_tma`` holds (64-row tiles at d = 64/128, outputs of q's dtype, aligned, two stages or more);
+otherwise (d = 256, 128-row tiles, float32 outputs, one stage) from registers. Plain attention only:
+float16/bfloat16, equal head dims (64, 128 or 256), TMA-able strides; ``backward.py`` routes a launch here when
+``bwd_config`` picks a ``gluon`` dK/dV tile.
 
 With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
 issues dQ = dS K for half of dQ's columns over all 128 keys behind that tile's dV and dK, and adds the result into
@@ -608,11 +609,11 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     registers). A ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Sq rounded
     up to the row tile, Hq, D]``, contiguous, zeroed by the caller); a ``dq_ordered`` one adds in a fixed order,
     counting the adds in ``dq_sem`` (int32 ``[B, Hq, row tiles]``, zeroed), and stores its first add to each row
-    tile, so ``dq_acc`` needs zeroing only in the rows no key block sees (causal, Sq > Sk). ``head_group``: the (batch, kv head) columns launched interleaved
-    (``_configs.bwd_head_group``; 1 for ``dq_ordered``, whose waits need a head's programs launched together).
-    Returns ``(grid, Relaunch or None)``: with ``keep``, the
-    launch kept for repeats with new arrays (``descriptors(q, k, v, do, dk, dv, tile), lse, delta, dk, dv,
-    dq_descriptor(dq_acc, ...), semaphores(dq_sem, ...)``, placeholders where not fused or not ordered)."""
+    tile, so ``dq_acc`` needs zeroing only in the rows no key block sees (causal, Sq > Sk). ``head_group``: the
+    (batch, kv head) columns launched interleaved (``_configs.bwd_head_group``; 1 for ``dq_ordered``, whose waits
+    need a head's programs launched together). Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept
+    for repeats with new arrays (``descriptors(q, k, v, do, dk, dv, tile), lse, delta, dk, dv, dq_descriptor(dq_acc,
+    ...), semaphores(dq_sem, ...)``, placeholders where not fused or not ordered)."""
     if q.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"q: the Hopper dK/dV kernel is built for head dims {HEAD_DIMS}, not {q.shape[-1]}")
     for name, x in (("dk", dk), ("dv", dv)):
