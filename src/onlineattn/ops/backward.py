@@ -564,9 +564,9 @@ def _preprocess(o, do, lse, dlse, delta, keep: bool = False):
     kept), else None."""
     b, sq, hq, dv_dim = o.shape
     grid = (cdiv(sq, PREPROCESS_ROWS), b * hq)
+    arrays = _pre_arrays(o, do, lse, dlse, delta)
     return grid, start(
-        keep, attention_bwd_preprocess_kernel, grid, 4,
-        o, do, lse if dlse is None else dlse, delta,
+        keep, attention_bwd_preprocess_kernel, grid, len(arrays), *arrays,
         *o.stride()[:3], *do.stride()[:3], *delta.stride()[:2],
         sq, hq,
         HEAD_DIM_V=dv_dim, BLOCK_M=PREPROCESS_ROWS, BLOCK_DV=max(16, next_power_of_2(dv_dim)),
@@ -639,10 +639,19 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
     return None, dkdv, (grid_dq, dq_kernel)
 
 
+def _pre_arrays(o, do, lse, dlse, delta) -> tuple:
+    """The preprocess kernel's array arguments, in its order (the full path's launch and a kept launch's repeat)."""
+    return o, do, _dlse_arg(lse, dlse), delta
+
+
 def _dq_arrays(q, k, v, do, lse, delta, dq, o, dlse) -> tuple:
-    """The dQ kernel's array arguments, in its order (the full path's launch and a kept launch's repeat): lse stands
-    in for an absent dlse, unread."""
-    return q, k, v, do, lse, delta, dq, o, lse if dlse is None else dlse
+    """The dQ kernel's array arguments, in its order (the full path's launch and a kept launch's repeat)."""
+    return q, k, v, do, lse, delta, dq, o, _dlse_arg(lse, dlse)
+
+
+def _dlse_arg(lse, dlse):
+    """A kernel's DLSE argument: dlse, or lse standing in for an absent one (unread: HAS_DLSE is false)."""
+    return lse if dlse is None else dlse
 
 
 def _dq_accumulator(dq, tile, causal: bool, seqlen_k: int):
@@ -748,7 +757,7 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
     else:
         arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
     if fused:
-        (grid_pre, pre), arrays_pre, arrays_dq = step.pre, (o, do, lse if dlse is None else dlse, delta), (dq_acc, dq)
+        (grid_pre, pre), arrays_pre, arrays_dq = step.pre, _pre_arrays(o, do, lse, dlse, delta), (dq_acc, dq)
         if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and dq_kernel.ready(arrays_dq)):
             return False
         pre.go(grid_pre, arrays_pre)
