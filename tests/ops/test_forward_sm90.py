@@ -14,7 +14,9 @@ from tests.ops.test_forward import _check, _check_rows, _inputs, _run_poisoned
 
 from onlineattn._mods import PLAIN
 from onlineattn.ops import forward as F
-from onlineattn.ops._configs import _FWD_WS, _FWD_WS_SHORT, WS_CAUSAL_PERSISTENT_BELOW, WS_MIN_KEYS, fwd_config
+from onlineattn.ops._configs import (
+    _FWD_WS, _FWD_WS_SHORT, WS_CAUSAL_PERSISTENT_BELOW, WS_MIN_KEYS, WS_SHORT_KEYS, fwd_config,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
@@ -30,23 +32,29 @@ def test_table_routes_plain_half_d64_d128_d256():
         d, dv or d, dtype, causal, "cuda", seqlen_q=sk, seqlen_k=sk, **{"ws_ok": True, **kw})
     for d in (64, 128, 256):
         for causal in (False, True):
-            least = WS_MIN_KEYS[d][causal]
+            least = max(WS_MIN_KEYS[d][causal], WS_SHORT_KEYS[1] if (d, causal) in _FWD_WS_SHORT else 0)
             persistent_below = WS_CAUSAL_PERSISTENT_BELOW[d] if causal else 1 << 40
             want = replace(_FWD_WS[causal][d], persistent=_FWD_WS[causal][d].persistent or least < persistent_below)
             assert pick(d, causal=causal, sk=least) == want
             assert pick(d, causal=causal, sk=least, dtype=torch.float16) == want
             assert pick(d, causal=causal, sk=max(least, persistent_below)) == _FWD_WS[causal][d]
-            assert not pick(d, causal=causal, sk=least - 1).gluon and not pick(d, causal=causal, sk=None).gluon
+            assert pick(d, causal=causal, sk=least - 1) != want and not pick(d, causal=causal, sk=None).gluon
             short_q = fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=64, seqlen_k=65536, ws_ok=True)
             assert not short_q.gluon  # short queries keep the Triton tiles (they pack a GQA group's rows)
     assert not _FWD_WS[True][64].persistent and pick(64, causal=True, sk=2048).persistent  # a length's choice
-    # Below WS_MIN_KEYS from 512, calls the kernel could run take _FWD_WS_SHORT's Triton tile where it has one.
-    assert pick(64, causal=True, sk=512) == pick(64, causal=True, sk=1023) == _FWD_WS_SHORT[64, True]
-    assert pick(64, causal=True, sk=511) == pick(64, causal=True, sk=512, ws_ok=False) == fwd_config(
-        64, 64, torch.bfloat16, True, "cuda")
-    assert pick(64, causal=True, sk=512, variants=True) != _FWD_WS_SHORT[64, True]
-    chunk = fwd_config(64, 64, torch.bfloat16, True, "cuda", seqlen_q=512, seqlen_k=32768, ws_ok=True)
-    assert chunk == fwd_config(64, 64, torch.bfloat16, True, "cuda")  # a short chunk over a long cache: unmeasured
+    # Both lengths in WS_SHORT_KEYS: calls the kernel could run take _FWD_WS_SHORT's tile where it has one (causal
+    # d = 64 and 128: the Gluon kernel at 64-key blocks, persistent).
+    assert WS_SHORT_KEYS == (512, 1024) and set(_FWD_WS_SHORT) == {(64, True), (128, True)}
+    for d in (64, 128):
+        short = _FWD_WS_SHORT[d, True]
+        assert short.gluon and short.persistent and short.block_n == 64
+        assert pick(d, causal=True, sk=512) == pick(d, causal=True, sk=1023) == short
+        assert pick(d, causal=True, sk=511) == pick(d, causal=True, sk=512, ws_ok=False) == fwd_config(
+            d, d, torch.bfloat16, True, "cuda")
+        assert pick(d, causal=True, sk=512, variants=True) != short and pick(d, sk=512) != short
+        chunk = fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=512, seqlen_k=32768, ws_ok=True)
+        assert chunk != short  # a short chunk over a long cache: unmeasured
+    assert pick(64, causal=True, sk=1024) == replace(_FWD_WS[True][64], persistent=True)
     assert not pick(sk=16384, ws_ok=False).gluon and not pick(sk=16384, variants=True).gluon
     for other in (pick(dv=64, sk=16384), pick(d=96, sk=16384), pick(d=32, sk=16384), pick(d=256, dv=128, sk=16384)):
         assert not other.gluon
@@ -208,6 +216,26 @@ def test_programs_hand_over_many_tiles(shape, q_stages, causal, d, monkeypatch):
     _check(q, k, v, causal, o, lse)
 
 
+@gpu
+@sm90
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
+def test_warpgroup_0_skips_blocks_its_rows_do_not_see(shape, persistent, stages, d, monkeypatch):
+    """Causal, 64-key blocks at d = 64 and 128 (d = 256's own blocks run in the tests above): a tile's last block
+    lies past every row of warpgroup 0 wherever the diagonal crosses the tile's second half, and warpgroup 0 only
+    releases it (``_skip``), also between the tiles a persistent program hands over (3 programs: many tiles each,
+    the ring's stages wrapping across tiles)."""
+    monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
+    monkeypatch.setattr(F, "_STEPS", {})  # no kept launch of another grid
+    b, sq, sk, hq, hkv = shape
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, torch.bfloat16, seed=sum(shape) + d + stages, device="cuda")
+    cfg = replace(_FWD_WS[True][d], block_n=64, num_stages=stages, persistent=persistent)
+    o, lse = _run_poisoned(q, k, v, True, config=cfg)
+    _check(q, k, v, True, o, lse)
+
+
 def test_half_diagonal_holds_where_warpgroup_0_sees_half_the_diagonal_block():
     """``half_diagonal``: causal, 128-key blocks over 128-row tiles, Sk - Sq a multiple of 128. Checked against a
     Python walk of the kernel's tiles (as ``_tile_coords`` takes them): there, every row of warpgroup 0 (a tile's
@@ -262,20 +290,21 @@ def _busiest_least(num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n, sms)
 
 @gpu
 @sm90
+@pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_short_causal_d64_takes_its_triton_tile(dtype, monkeypatch):
-    """d = 64 causal between 512 and WS_MIN_KEYS rows and keys runs the Triton tile of _FWD_WS_SHORT through the
-    table (the launch records it): 700 rows over 700 and 828 keys, GQA 4:2 (1400 packed rows a kv head, the last
-    64-row tile partial), against the oracle."""
+def test_short_causal_takes_its_short_tile(dtype, d, monkeypatch):
+    """Causal with both lengths in WS_SHORT_KEYS runs _FWD_WS_SHORT's tile through the table (the launch records
+    it): 700 rows over 700 and 828 keys, GQA 4:2 (the last 128-row tile partial; at 828 keys the diagonal off the
+    64-key blocks), against the oracle."""
     tiles = []
-    launch = F._launch
-    monkeypatch.setattr(F, "_launch", lambda *a, **kw: tiles.append(a[7]) or launch(*a, **kw))
+    launch = F.forward_sm90.launch
+    monkeypatch.setattr(F.forward_sm90, "launch", lambda *a, **kw: tiles.append(a[7]) or launch(*a, **kw))
     monkeypatch.setattr(F, "_STEPS", {})
     for sk in (700, 828):
-        q, k, v = _inputs(2, 700, sk, 4, 2, 64, 64, dtype, seed=sk, device="cuda")
-        assert F.ws_ok(q, k, v, 64 ** -0.5, PLAIN)
+        q, k, v = _inputs(2, 700, sk, 4, 2, d, d, dtype, seed=sk + d, device="cuda")
+        assert F.ws_ok(q, k, v, d ** -0.5, PLAIN)
         o, lse = _run_poisoned(q, k, v, True)
-        assert tiles.pop() == _FWD_WS_SHORT[64, True]
+        assert tiles.pop() == _FWD_WS_SHORT[d, True]
         _check(q, k, v, True, o, lse)
 
 

@@ -143,12 +143,21 @@ _FWD_WS = {False: {64: replace(_WS_TILE, persistent=True, q_stages=2), 128: repl
 #   601-607 against - / 552-561 / 601-602; d = 256 585-596 / 624-627 / 636-650 against 543-550 / 577-585 /
 #   648; d = 64 at 16384 441-445 against 436-447. So d = 128 and 256 run causal persistent below 16384 too.
 WS_MIN_KEYS = {64: (512, 1024), 128: (512, 512), 256: (512, 512)}
-# - Below WS_MIN_KEYS, calls the Gluon kernel could run take these Triton tiles from 512 rows and keys (session 25,
-#   .devrun/fsweeptri.py, two passes, d = 64 causal N = 512): 64x32 w4 s3 TMA 219.5-220.1 against the table's
-#   64x64 210.1-210.2 (64x64 s4 204-205, 128x64 w8 194, 64x128 164, 128x128 w8 135). Only where both lengths lie
-#   in that range (a short chunk over a long cache was not measured); other launches (variants, no descriptors,
-#   shorter) keep the table's tiles.
-_FWD_WS_SHORT = {(64, True): FwdConfig(64, 32, 4, 3, tma=True)}
+# - Calls the Gluon kernel could run with both lengths in WS_SHORT_KEYS (rows and keys from 512, below 1024) take
+#   these tiles. Only there: a short chunk over a long cache was not measured; other launches (variants, no
+#   descriptors, shorter) keep the table's tiles.
+#   - Session 25 (.devrun/fsweeptri.py, two passes, d = 64 causal N = 512): the Triton 64x32 w4 s3 TMA tile read
+#     219.5-220.1 against the table's 64x64 210.1-210.2 (64x64 s4 204-205, 128x64 w8 194, 64x128 164, 128x128 w8
+#     135), and took d = 64 causal there.
+#   - Session 29 (NOTES v21, .devrun/fsweep29b.py, CUDA-graph medians, two passes alternated with the tree before):
+#     warpgroup 0 skips a tile's last block where its rows see none of it (forward_sm90._own_blocks), which 64-key
+#     blocks give every causal diagonal tile. Causal N = 512, the Gluon kernel at 64-key blocks, three stages,
+#     persistent: d = 128 311-314 against the 128-key table tile's 298-300 (cuDNN 302-305); d = 64 231-233 against
+#     the Triton tile's 210-212 (cuDNN 245-250). At N = 1024 the 128-key tiles led (d = 128 419-420 against
+#     394-399; d = 64 322-323 against 292-297), so these stop below 1024.
+WS_SHORT_KEYS = (512, 1024)
+_WS_CAUSAL_SHORT = FwdConfig(128, 64, 4, 3, tma=True, gluon=True, persistent=True)
+_FWD_WS_SHORT = {(64, True): _WS_CAUSAL_SHORT, (128, True): _WS_CAUSAL_SHORT}
 WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 16384, 256: 16384}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or with Sq <= 512 where the
 #                                              Gluon kernel does not take the call (above)
@@ -182,13 +191,12 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
     if dtype == torch.float32:
         return _FWD_FP32[padded]
     ws = _FWD_WS[causal].get(head_dim) if ws_ok and head_dim == head_dim_v and not variants else None
-    shortest = min(seqlen_q or 0, seqlen_k or 0)
-    if ws is not None and shortest >= WS_MIN_KEYS[head_dim][causal]:
-        return replace(ws, persistent=True) if causal and shortest < WS_CAUSAL_PERSISTENT_BELOW[head_dim] else ws
-    longest = max(seqlen_q or 0, seqlen_k or 0)
-    if ws is not None and shortest >= 512 and longest < WS_MIN_KEYS[head_dim][causal] and (
+    shortest, longest = min(seqlen_q or 0, seqlen_k or 0), max(seqlen_q or 0, seqlen_k or 0)
+    if ws is not None and WS_SHORT_KEYS[0] <= shortest and longest < WS_SHORT_KEYS[1] and (
             (head_dim, causal) in _FWD_WS_SHORT):
         return _FWD_WS_SHORT[head_dim, causal]
+    if ws is not None and shortest >= WS_MIN_KEYS[head_dim][causal]:
+        return replace(ws, persistent=True) if causal and shortest < WS_CAUSAL_PERSISTENT_BELOW[head_dim] else ws
     if padded == 256 and (variants or not tma_ok or (seqlen_q is not None and seqlen_q <= 512)):
         return _FWD_D256_SMALL
     if padded in _FWD_LONG[causal] and not variants and seqlen_k is not None and seqlen_k >= PIPELINE_MIN_KEYS:

@@ -211,28 +211,57 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
     programs = gl.num_programs(0)
     off_b, off_h, m0, n_blocks = _tile_coords(gl.program_id(0), seqlen_q, seqlen_k, heads_q, num_tiles, tile)
     row0 = m0 + tile.WG * 64
+    own = _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, tile)
     it = 0
     n = 0
-    p, m_i, l_i = _first_block(rings, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
+    p, m_i, l_i = _first_block(rings, it, n, row0, own, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
     for t in range(gl.program_id(0) + programs, num_tiles, programs):  # t: the next tile
         acc = gl.zeros([64, D], gl.float32, layout=o_layout)
-        p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale,
+        p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, own, seqlen_q, seqlen_k, qk_scale,
                                       tile, s_layout, o_layout)
         next_b, next_h, next_m0, next_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile)
         next_row0 = next_m0 + tile.WG * 64
-        p, m_i, l_i = _handover(rings, out, p_last, m_i, l_i, acc, it + n_blocks - 1, n + 1, off_b, off_h, row0,
-                                next_row0, next_blocks, seqlen_k, qk_scale, tile, s_layout, o_layout)
+        next_own = _own_blocks(next_row0, next_blocks, seqlen_q, seqlen_k, tile)
+        p, m_i, l_i = _handover(rings, out, p_last, m_i, l_i, acc, it + own - 1, it + n_blocks, n + 1, off_b, off_h,
+                                row0, next_row0, next_own, seqlen_k, qk_scale, tile, s_layout, o_layout)
         it += n_blocks
         n += 1
-        off_b, off_h, row0, n_blocks = next_b, next_h, next_row0, next_blocks
+        off_b, off_h, row0, n_blocks, own = next_b, next_h, next_row0, next_blocks, next_own
     acc = gl.zeros([64, D], gl.float32, layout=o_layout)
-    p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale,
+    p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, own, seqlen_q, seqlen_k, qk_scale,
                                   tile, s_layout, o_layout)
-    acc, p_op = _last_pv(rings, p_last, acc, it + n_blocks - 1, tile, o_layout)
+    acc, p_op = _last_pv(rings, p_last, acc, it + own - 1, tile, o_layout)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
-    mbarrier.arrive(v_empty.index((it + n_blocks - 1) % tile.STAGES), count=1)
+    mbarrier.arrive(v_empty.index((it + own - 1) % tile.STAGES), count=1)
     _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout, o_layout)
     tma.store_wait(0)  # the last tile's O has left shared memory
+
+
+@gluon.jit
+def _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, tile):
+    """How many of its tile's ``n_blocks`` key blocks this warpgroup's 64 rows (from ``row0``) see. Under causal
+    masking warpgroup 0's rows can end before the tile's last block starts (64-key blocks, or a diagonal off the
+    block boundaries): it then skips that block (``_skip``) instead of computing it fully masked."""
+    own = n_blocks
+    if tile.CAUSAL:
+        hi = gl.minimum(seqlen_k, row0 + 64 + seqlen_k - seqlen_q)
+        own = gl.minimum(gl.maximum(gl.cdiv(hi, tile.BLOCK_N), 1), n_blocks)
+    return own
+
+
+@gluon.jit
+def _skip(rings, first, end, tile):
+    """Release ring blocks ``first`` .. ``end - 1``, which this warpgroup's rows do not see (``_own_blocks``), each
+    once it has landed: the producer fills a stage only after both warpgroups released its previous block, so the
+    wait keeps this release from counting toward that earlier one."""
+    q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
+    for idx in range(first, end):
+        stage = idx % tile.STAGES
+        phase = (idx // tile.STAGES) & 1
+        mbarrier.wait(k_ready.index(stage), phase)
+        mbarrier.arrive(k_empty.index(stage), count=1)
+        mbarrier.wait(v_ready.index(stage), phase)
+        mbarrier.arrive(v_empty.index(stage), count=1)
 
 
 @gluon.jit
@@ -352,21 +381,22 @@ def _half_block(rings, p, m_i, l_i, acc, last, n, row0, start_n, seqlen_q, seqle
 
 
 @gluon.jit
-def _handover(rings, out, p, m_i, l_i, acc, last, n, off_b, off_h, row0, next_row0, next_blocks, seqlen_k,
+def _handover(rings, out, p, m_i, l_i, acc, last, next_it, n, off_b, off_h, row0, next_row0, next_blocks, seqlen_k,
               qk_scale, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
-    """From a tile whose last block (ring index ``last``) is done up to its softmax (``p``, as ``_last_pv`` takes
-    it) to the next tile (the run's
-    ``n``-th, its first block the ring's ``last + 1``): issue the last P·V, then the next tile's first QKᵀ; once
-    the P·V is done, write this tile's output while that QKᵀ runs; then the next tile's first softmax. Returns the
-    next tile's (p, m, l). (Issuing the QKᵀ after the output instead read the same or up to 4 % slower, NOTES v14.)"""
+    """From a tile whose last block this warpgroup sees (ring index ``last``) is done up to its softmax (``p``, as
+    ``_last_pv`` takes it) to the next tile (the run's ``n``-th, its first block the ring's ``next_it``; blocks in
+    between are skipped): issue the last P·V, then the next tile's first QKᵀ; once the P·V is done, write this
+    tile's output while that QKᵀ runs; then the next tile's first softmax. Returns the next tile's (p, m, l).
+    (Issuing the QKᵀ after the output instead read the same or up to 4 % slower, NOTES v14.)"""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
     acc, p_op = _last_pv(rings, p, acc, last, tile, o_layout)
-    s = _first_qk(rings, n, last + 1, tile, s_layout)
+    _skip(rings, last + 1, next_it, tile)
+    s = _first_qk(rings, n, next_it, tile, s_layout)
     acc, p_op = warpgroup_mma_wait(1, deps=(acc, p_op))  # the P·V, issued first, is done; the QKᵀ may still run
     mbarrier.arrive(v_empty.index(last % tile.STAGES), count=1)
     _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout, o_layout)
     o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q = out
-    return _first_softmax(rings, s, n, last + 1, next_row0, next_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
+    return _first_softmax(rings, s, n, next_it, next_row0, next_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
 
 
 @gluon.jit
@@ -485,9 +515,10 @@ def _softmax(s, m_i, l_i, start_n, rows, seqlen_k, diag, mask_from, qk_scale, CA
     blocks reaching past ``mask_from`` are masked: keys past the end and, under causal, past the diagonal."""
     if start_n + BLOCK_N > mask_from:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        keep = cols[None, :] < seqlen_k
-        if CAUSAL:
-            keep = keep & (cols[None, :] <= rows[:, None] + diag)
+        if CAUSAL:  # one comparison per score: the key bound folded into each row's diagonal
+            keep = cols[None, :] <= gl.minimum(rows + diag, seqlen_k - 1)[:, None]
+        else:
+            keep = cols[None, :] < seqlen_k
         s = gl.where(keep, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf - 0) = 0, no NaN
