@@ -26,8 +26,9 @@ gpu = pytest.mark.gpu
 
 def test_table_routes_plain_half_d64_d128_d256():
     """d = 64, 128 and 256 in half precision from WS_MIN_KEYS rows and keys (per mask), causal launches persistent
-    below WS_CAUSAL_PERSISTENT_BELOW and one program per tile from it; never without ws_ok, variants, for other head
-    dims, unequal head dims, float32 or an unknown length."""
+    below WS_CAUSAL_PERSISTENT_BELOW and one program per tile from it, and with both lengths in WS_SHORT_KEYS the
+    tile of _FWD_WS_SHORT where it has one; never without ws_ok, variants, for other head dims, unequal head dims,
+    float32 or an unknown length."""
     pick = lambda d=128, dv=None, dtype=torch.bfloat16, causal=False, sk=4096, **kw: fwd_config(  # noqa: E731
         d, dv or d, dtype, causal, "cuda", seqlen_q=sk, seqlen_k=sk, **{"ws_ok": True, **kw})
     for d in (64, 128, 256):
@@ -38,7 +39,9 @@ def test_table_routes_plain_half_d64_d128_d256():
             assert pick(d, causal=causal, sk=least) == want
             assert pick(d, causal=causal, sk=least, dtype=torch.float16) == want
             assert pick(d, causal=causal, sk=max(least, persistent_below)) == _FWD_WS[causal][d]
-            assert pick(d, causal=causal, sk=least - 1) != want and not pick(d, causal=causal, sk=None).gluon
+            below = pick(d, causal=causal, sk=least - 1)
+            assert below == _FWD_WS_SHORT[d, causal] if (d, causal) in _FWD_WS_SHORT else not below.gluon
+            assert not pick(d, causal=causal, sk=None).gluon
             short_q = fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=64, seqlen_k=65536, ws_ok=True)
             assert not short_q.gluon  # short queries keep the Triton tiles (they pack a GQA group's rows)
     assert not _FWD_WS[True][64].persistent and pick(64, causal=True, sk=2048).persistent  # a length's choice
@@ -49,6 +52,9 @@ def test_table_routes_plain_half_d64_d128_d256():
         short = _FWD_WS_SHORT[d, True]
         assert short.gluon and short.persistent and short.block_n == 64
         assert pick(d, causal=True, sk=512) == pick(d, causal=True, sk=1023) == short
+        unequal = fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=512, seqlen_k=1023, ws_ok=True)
+        assert unequal == short == fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=1023, seqlen_k=512,
+                                              ws_ok=True)
         assert pick(d, causal=True, sk=511) == pick(d, causal=True, sk=512, ws_ok=False) == fwd_config(
             d, d, torch.bfloat16, True, "cuda")
         assert pick(d, causal=True, sk=512, variants=True) != short and pick(d, sk=512) != short
@@ -64,8 +70,9 @@ def test_table_routes_plain_half_d64_d128_d256():
 def test_gluon_tile_is_refused_where_it_cannot_run():
     """A gluon tile passed as ``config`` still needs a call the kernel can run (CPU tensors here: not sm_90), and
     the launcher refuses tiles other than 128 rows over two 4-warp warpgroups, and tiles whose Q, K/V stages and O
-    staging buffers exceed an SM's shared memory (three 128-key stages at d = 128, two Q buffers at d = 256), and
-    Q buffer counts other than 1 and 2."""
+    staging buffers exceed an SM's shared memory (three 128-key stages at d = 128, two Q buffers at d = 256), Q
+    buffer counts other than 1 and 2, key blocks other than 64 and 128 and a single K/V stage (warpgroup 0's skip
+    waits for a block while its previous block is unreleased: it would wait on itself, ``_skip``)."""
     from onlineattn.ops import forward_sm90
 
     q, k, v = (torch.randn(1, 8, 2, 128, dtype=torch.bfloat16) for _ in range(3))
@@ -74,7 +81,9 @@ def test_gluon_tile_is_refused_where_it_cannot_run():
         F.forward(q, k, v, 0.1, False, config=_FWD_WS[False][128])
     for bad in (replace(_FWD_WS[False][128], block_m=64), replace(_FWD_WS[False][128], num_warps=8),
                 replace(_FWD_WS[False][128], num_stages=3), replace(_FWD_WS[False][128], q_stages=0),
-                replace(_FWD_WS[False][128], q_stages=3)):
+                replace(_FWD_WS[False][128], q_stages=3), replace(_FWD_WS[True][128], num_stages=1),
+                replace(_FWD_WS_SHORT[64, True], num_stages=1), replace(_FWD_WS_SHORT[64, True], block_n=32),
+                replace(_FWD_WS_SHORT[64, True], block_n=32, num_stages=4)):
         with pytest.raises(ValueError, match="config"):
             forward_sm90.launch(q, k, v, torch.empty_like(q), torch.empty(1, 2, 8), 0.1, False, bad)
     q256 = torch.randn(1, 8, 2, 256, dtype=torch.bfloat16)
@@ -85,6 +94,8 @@ def test_gluon_tile_is_refused_where_it_cannot_run():
     for d in (64, 128, 256):
         for causal in (False, True):
             assert forward_sm90.shared_bytes(d, _FWD_WS[causal][d]) <= forward_sm90.SHARED_BYTES
+    for d, causal in _FWD_WS_SHORT:
+        assert forward_sm90.shared_bytes(d, _FWD_WS_SHORT[d, causal]) <= forward_sm90.SHARED_BYTES
 
 
 def test_out_must_be_tma_aligned_for_the_gluon_tile(monkeypatch):
@@ -113,12 +124,14 @@ from probe_launch import Sm90NoLaunch
 triton.runtime.driver.set_active(Sm90NoLaunch())
 from onlineattn.ops import forward_sm90
 from dataclasses import replace
-from onlineattn.ops._configs import _FWD_WS
-for d, causal, dtype, q_stages, sk in ((128, False, torch.bfloat16, 1, 300), (128, True, torch.float16, 1, 300),
-                                       (64, True, torch.bfloat16, 1, 300), (256, False, torch.bfloat16, 1, 300),
-                                       (128, True, torch.bfloat16, 2, 300), (128, True, torch.bfloat16, 1, 301),
-                                       (64, True, torch.bfloat16, 1, 301), (64, False, torch.bfloat16, 2, 300)):
-    cfg = replace(_FWD_WS[causal][d], q_stages=q_stages)
+from onlineattn.ops._configs import _FWD_WS, _FWD_WS_SHORT
+bf16 = torch.bfloat16
+for d, causal, dtype, q_stages, sk, short in (
+        (128, False, bf16, 1, 300, 0), (128, True, torch.float16, 1, 300, 0), (64, True, bf16, 1, 300, 0),
+        (256, False, bf16, 1, 300, 0), (128, True, bf16, 2, 300, 0), (128, True, bf16, 1, 301, 0),
+        (64, True, bf16, 1, 301, 0), (64, False, bf16, 2, 300, 0), (128, True, bf16, 1, 300, 1),
+        (64, True, bf16, 1, 301, 1)):
+    cfg = _FWD_WS_SHORT[d, causal] if short else replace(_FWD_WS[causal][d], q_stages=q_stages)
     q = torch.randn(2, 300, 8, d, dtype=dtype)
     k = torch.randn(2, sk, 2, d, dtype=dtype)
     o, lse = torch.empty_like(q), torch.empty(2, 8, 300)
@@ -138,7 +151,8 @@ def test_kernel_compiles_for_sm90():
     the first QKᵀ (the program's first tile, and the hand-over's), QKᵀ and P·V in the key loop (tiles with a
     successor, and the last one) and the last P·V (the hand-over's, and the last tile's): 8 sites, so k = 16 per
     instruction gives 8 x (8 + 8) wgmma at d = 128 with 128-key blocks, 8 x (4 + 8) at d = 64, 8 x (16 + 4) at
-    d = 256 with 64-key blocks. Causal with Sq = Sk at 128-key blocks (HALF_DIAG), warpgroup 0's two tile ends
+    d = 256 with 64-key blocks, 8 x (8 + 4) and 8 x (4 + 4) for _FWD_WS_SHORT's 64-key tiles at d = 128 and 64
+    (warpgroup 0's skip adds none). Causal with Sq = Sk at 128-key blocks (HALF_DIAG), warpgroup 0's two tile ends
     each add the half-width step (a QKᵀ of the head dim's k-steps over 64 keys and a whole P·V, ``_half_block``)
     and take their last P·V over 64 keys (4 k-steps, not 8): 24 more wgmma at d = 128 (152) and 16 at d = 64
     (112); with Sk = Sq + 1 (the diagonal off a block boundary) causal compiles without it. Also the partitions'
@@ -152,13 +166,13 @@ def test_kernel_compiles_for_sm90():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split()
     cases = ((128, "False", 300), (128, "True", 300), (64, "True", 300), (256, "False", 300), (128, "True", 300),
-             (128, "True", 301), (64, "True", 301), (64, "False", 300))
+             (128, "True", 301), (64, "True", 301), (64, "False", 300), (128, "True", 300), (64, "True", 301))
     assert len(lines) == len(cases) * 9, out.stdout
     for i, (d, causal, keys) in enumerate(cases):
         head, flag, sk, wgmma, setmaxnreg, shared, stages, block_n, q_stages = lines[9 * i: 9 * i + 9]
         assert int(sk) == keys
-        half = {128: 24, 64: 16}[d] if causal == "True" and keys == 300 else 0  # Sq = Sk: HALF_DIAG (128-key blocks)
-        assert (int(head), flag) == (d, causal) and int(wgmma) == {128: 128, 64: 96, 256: 160}[d] + half
+        half = {128: 24, 64: 16}[d] if causal == "True" and keys == 300 and block_n == "128" else 0  # HALF_DIAG
+        assert (int(head), flag) == (d, causal) and int(wgmma) == 8 * (d // 16 + int(block_n) // 16) + half
         assert int(setmaxnreg) >= 2
         o_staging = 2 * 64 * min(d, 128) * 2
         q_bytes = int(q_stages) * 128 * d * 2
@@ -224,9 +238,10 @@ def test_programs_hand_over_many_tiles(shape, q_stages, causal, d, monkeypatch):
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
 def test_warpgroup_0_skips_blocks_its_rows_do_not_see(shape, persistent, stages, d, monkeypatch):
     """Causal, 64-key blocks at d = 64 and 128 (d = 256's own blocks run in the tests above): a tile's last block
-    lies past every row of warpgroup 0 wherever the diagonal crosses the tile's second half, and warpgroup 0 only
-    releases it (``_skip``), also between the tiles a persistent program hands over (3 programs: many tiles each,
-    the ring's stages wrapping across tiles)."""
+    lies past every row of warpgroup 0 wherever the diagonal crosses the tile's second half, and warpgroup 0 does
+    not compute it. Persistent over 3 programs (many tiles each, the ring's stages wrapping across tiles) it
+    releases that block at the hand-over (``_skip``; ``test_skip_shapes_hand_over_skipped_blocks`` pins which
+    shapes do); one program per tile leaves it unreleased at the program's end."""
     monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
     monkeypatch.setattr(F, "_STEPS", {})  # no kept launch of another grid
     b, sq, sk, hq, hkv = shape
@@ -234,6 +249,24 @@ def test_warpgroup_0_skips_blocks_its_rows_do_not_see(shape, persistent, stages,
     cfg = replace(_FWD_WS[True][d], block_n=64, num_stages=stages, persistent=persistent)
     o, lse = _run_poisoned(q, k, v, True, config=cfg)
     _check(q, k, v, True, o, lse)
+
+
+def test_skip_shapes_hand_over_skipped_blocks():
+    """Where ``test_warpgroup_0_skips_blocks_its_rows_do_not_see`` releases skipped blocks at hand-overs, by a walk of
+    the tile order over its 3 persistent programs at 64-key blocks: a tile that is not its program's last and whose
+    warpgroup 0 sees one block fewer than the tile (never more: the ring needs the skipped blocks fewer than its
+    stages, ``_skip``). Equal lengths, Sk > Sq off the block boundaries and Sq > Sk among them."""
+    from onlineattn.ops.forward_sm90 import programs
+    counts = {}
+    for shape in SHAPES[1:]:
+        b, sq, sk, hq, hkv = shape
+        num_tiles = -(-sq // 128) * b * hq
+        count = programs(num_tiles, sq, sk, True, 128, 64, 3)
+        walk = lambda t, rows=None: _tile_blocks(t, count, num_tiles, sq, sk, True, 128, 64, rows)  # noqa: E731
+        assert all(walk(t) - walk(t, 64) in (0, 1) and walk(t, 128) == walk(t) for t in range(num_tiles))
+        counts[shape] = sum(walk(t) > walk(t, 64) for t in range(num_tiles - count))  # each program's last tiles
+    assert {shape for shape, n in counts.items() if n} == {
+        (1, 1000, 1000, 4, 4), (2, 513, 700, 6, 2), (2, 300, 428, 4, 2), (1, 384, 128, 2, 2)}, counts
 
 
 def test_half_diagonal_holds_where_warpgroup_0_sees_half_the_diagonal_block():
@@ -270,16 +303,23 @@ def test_programs_balance_the_causal_laps():
         assert programs(*case) == _busiest_least(*case), case
 
 
+def _tile_blocks(t, count, num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n, rows=None):
+    """A plain walk of the kernel's tile order (``_tile_coords``, ``count`` programs): tile ``t``'s key blocks, or
+    with ``rows`` (a warpgroup's, from the tile's first row) those they see (``_own_blocks``)."""
+    lap = t // count
+    if lap % 2 == 1 and (lap + 1) * count <= num_tiles:
+        t = lap * count + count - 1 - t % count
+    num_m = -(-seqlen_q // block_m)
+    pid_m = num_m - 1 - t % num_m if causal else t % num_m
+    seen = lambda end: max(-(-min(seqlen_k, end + seqlen_k - seqlen_q) // block_n) if causal else  # noqa: E731
+                           -(-seqlen_k // block_n), 1)
+    whole = seen(pid_m * block_m + block_m)
+    return whole if rows is None else min(seen(pid_m * block_m + rows), whole)
+
+
 def _busiest_least(num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n, sms):
-    """``programs`` by a plain walk of the kernel's tile order (``_tile_coords``): each program's tiles, lap by lap."""
-    def blocks(t, count):
-        lap = t // count
-        if lap % 2 == 1 and (lap + 1) * count <= num_tiles:
-            t = lap * count + count - 1 - t % count
-        num_m = -(-seqlen_q // block_m)
-        pid_m = num_m - 1 - t % num_m if causal else t % num_m
-        hi = min(seqlen_k, pid_m * block_m + block_m + seqlen_k - seqlen_q) if causal else seqlen_k
-        return max(-(-hi // block_n) if hi > 0 else 0, 1)
+    """``programs`` by a plain walk of the kernel's tile order: each program's tiles, lap by lap."""
+    blocks = lambda t, count: _tile_blocks(t, count, num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n)  # noqa
     best = None
     for count in range(sms, 3 * sms // 4 - 1, -1):
         busiest = max(sum(blocks(t, count) + 1 for t in range(p, num_tiles, count)) for p in range(count))

@@ -9,10 +9,12 @@ QKᵀ_j only and runs block j's softmax while the tensor cores still add the pre
 wgmma's A operand). The two warpgroups also overlap each other's softmax with their matmuls. Each consumer
 writes its rows of O through a shared-memory staging buffer by TMA stores that run on under its next tile.
 
-Under causal, when the diagonal falls on a 128-key block boundary (``half_diagonal``; d = 64 and 128, as d = 256 runs
-64-key blocks), warpgroup 0's rows see only
+Under causal, when the diagonal falls on a 128-key block boundary (``half_diagonal``; 128-key blocks: d = 64 and 128
+outside the short causal tile, which like d = 256 runs 64-key blocks), warpgroup 0's rows see only
 the first 64 keys of their tile's last (diagonal) block: it takes that block's QKᵀ and P·V over those 64 keys
-(``_half_end``), a quarter of the block's matmul work and half of that warpgroup's softmax there.
+(``_half_end``), a quarter of the block's matmul work and half of that warpgroup's softmax there. Where its rows see
+none of the tile's last block (64-key blocks, or a diagonal off the block boundaries), warpgroup 0 computes one
+block fewer (``_own_blocks``) and only releases that block's stage at the hand-over (``_skip``).
 
 A program's tiles hand over: the next tile's first QKᵀ is issued right after this tile's last P·V and runs under
 this tile's epilogue. Q has ``q_stages`` buffers (a second lets the producer load the next tile's Q early).
@@ -197,7 +199,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               seqlen_q, seqlen_k, heads_q, num_tiles, o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale, tile):
-    """One warpgroup: per tile, its 64 rows' online softmax over every key block (``_rest``), then their output
+    """One warpgroup: per tile, its 64 rows' online softmax over the key blocks they see (``_rest``), then their output
     (by TMA, ``_store_o``) and log-sum-exp. Tiles hand over (``_handover``): the next tile's first QKᵀ is issued
     right after this tile's last P·V and runs under this tile's epilogue, so the tensor cores do not drain between
     tiles. ``it`` is the ring index of the tile's first key block, ``n`` the tile's place in the program's run."""
@@ -241,7 +243,10 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
 def _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, tile):
     """How many of its tile's ``n_blocks`` key blocks this warpgroup's 64 rows (from ``row0``) see. Under causal
     masking warpgroup 0's rows can end before the tile's last block starts (64-key blocks, or a diagonal off the
-    block boundaries): it then skips that block (``_skip``) instead of computing it fully masked."""
+    block boundaries): it then does not compute that block, fully masked. At a hand-over it releases the block's
+    stage (``_skip``); after a program's last tile it leaves it unreleased, which is safe because the producer has
+    issued every load by then and warpgroup 1, which sees every block, waits for each to land. With 64- or
+    128-key blocks that is at most one block a tile (``launch`` takes no others)."""
     own = n_blocks
     if tile.CAUSAL:
         hi = gl.minimum(seqlen_k, row0 + 64 + seqlen_k - seqlen_q)
@@ -253,7 +258,9 @@ def _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, tile):
 def _skip(rings, first, end, tile):
     """Release ring blocks ``first`` .. ``end - 1``, which this warpgroup's rows do not see (``_own_blocks``), each
     once it has landed: the producer fills a stage only after both warpgroups released its previous block, so the
-    wait keeps this release from counting toward that earlier one."""
+    wait keeps this release from counting toward that earlier one. The caller has not yet released the block
+    before ``first`` (ring ``first - 1``'s V), so the blocks skipped must be fewer than the stages, or the wait for
+    the last of them would wait on that release: one block at most, against two stages or more (``launch``)."""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
     for idx in range(first, end):
         stage = idx % tile.STAGES
@@ -415,8 +422,8 @@ def _first_qk(rings, n, it, tile, s_layout: gl.constexpr):
 
 @gluon.jit
 def _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout: gl.constexpr):
-    """Wait for a tile's first QKᵀ (``_first_qk``), release its K block (and its Q when it is the tile's only block),
-    and run that block's softmax from an empty state -> (p, m, l)."""
+    """Wait for a tile's first QKᵀ (``_first_qk``), release its K block (and its Q when ``n_blocks``, the blocks this
+    warpgroup sees of the tile, is 1), and run that block's softmax from an empty state -> (p, m, l)."""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(it % tile.STAGES), count=1)
@@ -575,6 +582,9 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False)
         raise ValueError(f"config: the Hopper kernel runs 128-row tiles over two 4-warp warpgroups, not {cfg}")
     if cfg.q_stages not in (1, 2):
         raise ValueError(f"config: q_stages is 1 or 2 (Q buffers), not {cfg.q_stages}")
+    if cfg.block_n not in (64, 128) or cfg.num_stages < 2:
+        raise ValueError(f"config: the Hopper kernel runs 64- or 128-key blocks over two K/V stages or more (a "
+                         f"causal tile's warpgroup 0 may skip a block, _skip), not {cfg}")
     b, sq, hq, d = q.shape
     if shared_bytes(d, cfg) > SHARED_BYTES:
         raise ValueError(f"config: {cfg} needs {shared_bytes(d, cfg)} bytes of shared memory at d = {d}; an SM has "
