@@ -47,17 +47,18 @@ def test_table_routes_plain_half_d64_d128_d256():
     assert not _FWD_WS[True][64].persistent and pick(64, causal=True, sk=2048).persistent  # a length's choice
     # Both lengths in WS_SHORT_KEYS: calls the kernel could run take _FWD_WS_SHORT's tile where it has one (causal
     # d = 64 and 128: the Gluon kernel at 64-key blocks, persistent).
+    lo, hi = WS_SHORT_KEYS
     assert WS_SHORT_KEYS == (512, 1024) and set(_FWD_WS_SHORT) == {(64, True), (128, True)}
     for d in (64, 128):
         short = _FWD_WS_SHORT[d, True]
         assert short.gluon and short.persistent and short.block_n == 64
-        assert pick(d, causal=True, sk=512) == pick(d, causal=True, sk=1023) == short
-        unequal = fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=512, seqlen_k=1023, ws_ok=True)
-        assert unequal == short == fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=1023, seqlen_k=512,
+        assert pick(d, causal=True, sk=lo) == pick(d, causal=True, sk=hi - 1) == short
+        unequal = fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=lo, seqlen_k=hi - 1, ws_ok=True)
+        assert unequal == short == fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=hi - 1, seqlen_k=lo,
                                               ws_ok=True)
-        assert pick(d, causal=True, sk=511) == pick(d, causal=True, sk=512, ws_ok=False) == fwd_config(
+        assert pick(d, causal=True, sk=lo - 1) == pick(d, causal=True, sk=lo, ws_ok=False) == fwd_config(
             d, d, torch.bfloat16, True, "cuda")
-        assert pick(d, causal=True, sk=512, variants=True) != short and pick(d, sk=512) != short
+        assert pick(d, causal=True, sk=lo, variants=True) != short and pick(d, sk=lo) != short
         chunk = fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=512, seqlen_k=32768, ws_ok=True)
         assert chunk != short  # a short chunk over a long cache: unmeasured
     assert pick(64, causal=True, sk=1024) == replace(_FWD_WS[True][64], persistent=True)
@@ -115,6 +116,38 @@ def test_out_must_be_tma_aligned_for_the_gluon_tile(monkeypatch):
     monkeypatch.setattr(F.forward_sm90, "launch", lambda *a, **kw: gluon.append(1))
     o, _ = F.forward(q, k, v, 0.1, False, out=odd, lse_out=lse)  # the table: the Triton kernel (interpreted here)
     assert o is odd and not gluon and torch.isfinite(o).all()
+
+
+def test_out_of_another_dtype_takes_the_triton_kernel(monkeypatch):
+    """O leaves the Gluon kernel by TMA stores of q's dtype: an ``out`` of another dtype (ring attention's float32
+    blocks) is routed to the Triton kernel by the table and refused with an explicit gluon tile, never compiled into
+    the Gluon kernel (which failed to compile: "source dtype fp32 and destination dtype bf16 must match"). CPU
+    tensors, ``ws_ok`` forced: the routing alone."""
+    monkeypatch.setattr(F, "ws_ok", lambda *args: True)
+    q, k, v = (torch.randn(1, 8, 2, 128, dtype=torch.float16) for _ in range(3))  # the interpreter has no bfloat16
+    wide, lse = torch.empty(q.shape, dtype=torch.float32), torch.empty(1, 2, 8)
+    with pytest.raises(ValueError, match="out"):
+        F.forward(q, k, v, 0.1, False, out=wide, lse_out=lse, config=_FWD_WS[False][128])
+    gluon = []
+    monkeypatch.setattr(F.forward_sm90, "launch", lambda *a, **kw: gluon.append(1))
+    o, _ = F.forward(q, k, v, 0.1, False, out=wide, lse_out=lse)  # the table: the Triton kernel (interpreted here)
+    assert o is wide and not gluon
+    torch.testing.assert_close(o, F.forward(q.float(), k.float(), v.float(), 0.1, False)[0], atol=2e-2, rtol=0)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_float32_out_at_gluon_lengths_matches_oracle(d):
+    """A half-precision call into a float32 ``out`` (what ring attention's blocks pass) at a length where the table
+    runs the Gluon kernel for q's dtype: the Triton kernel takes it, against the oracle."""
+    q, k, v = _inputs(2, 1000, 1000, 4, 2, d, d, torch.bfloat16, seed=d, device="cuda")
+    for causal in (False, True):
+        wide = torch.full(q.shape, float("nan"), device="cuda")
+        lse = torch.full((2, 4, 1000), float("nan"), device="cuda")
+        o, lse = F.forward(q, k, v, d ** -0.5, causal, out=wide, lse_out=lse)
+        assert o is wide
+        _check(q, k, v, causal, o.to(q.dtype), lse)
 
 
 _COMPILE = """

@@ -309,7 +309,7 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
             return o, lse.fill_(float("-inf"))
         return o, lse.copy_(mods.sinks.view(hq, 1) if mods.varlen else mods.sinks.view(1, hq, 1))  # lse = the sink
     tma_ok = not mods.varlen and tma_aligned(k, v)  # a descriptor's bounds would be the whole pack, not a sequence
-    gluon_ok = tma_ok and ws_ok(q, k, v, scale, mods) and tma_aligned(o)
+    gluon_ok = tma_ok and ws_ok(q, k, v, scale, mods) and o.dtype == q.dtype and tma_aligned(o)  # O leaves by TMA
     cfg = config or fwd_config(q.shape[-1], dv, q.dtype, causal, q.device.type, variants=mods is not PLAIN,
                                seqlen_q=mods.max_seqlen_q if mods.varlen else q.shape[1],
                                seqlen_k=mods.max_seqlen_k if mods.varlen else k.shape[1], tma_ok=tma_ok,
