@@ -317,7 +317,7 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
     if cfg.gluon:  # one launch: its grid is one-dimensional (tiles), with no grid-y limit to slice the batch for
         if not gluon_ok:  # only an explicit config gets here so: the table picks gluon only where it can run
             raise ValueError("config: a gluon tile runs only plain half-precision calls on sm_90 with equal head dims, "
-                             "a positive scale and TMA-aligned q, k, v and out")
+                             "a positive scale, TMA-aligned q, k, v and out, and out of q's dtype")
         check_int32_offsets(lse=lse)  # the kernel's offsets within a batch entry are int32 (Q, K, V and O go by TMA)
         keep = mods is PLAIN and launch_cache.enabled  # kept: a repeat skips the routing above (_repeat)
         grid, kept = forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg, keep=keep)  # 1-D grid: no batch slices
