@@ -233,6 +233,12 @@ ONE_RANK = [
                      marks=pytest.mark.gpu, id=f"cuda-bfloat16-{layout}-{'causal' if causal else 'full'}")
         for layout in L.LAYOUTS for causal in (False, True)
     ),
+    *(  # blocks of 512 rows and more (zigzag: two of 512): lengths where the table runs the Gluon kernels for q's
+        # dtype, which the blocks' float32 outputs must not reach (the forward) or take from registers (dK/dV)
+        pytest.param(Spec("bfloat16", layout, causal, 4, 2, n_local=1024, d=128, dv=128), "cuda",
+                     marks=pytest.mark.gpu, id=f"cuda-bfloat16-d128-1024-{layout}-{'causal' if causal else 'full'}")
+        for layout in L.LAYOUTS for causal in (False, True)
+    ),
 ]
 
 

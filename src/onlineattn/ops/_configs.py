@@ -152,7 +152,7 @@ WS_MIN_KEYS = {64: (512, 1024), 128: (512, 512), 256: (512, 512)}
 #   - Session 29 (NOTES v21, .devrun/fsweep29b.py, CUDA-graph medians, two passes alternated with the tree before):
 #     warpgroup 0 skips a tile's last block where its rows see none of it (forward_sm90._own_blocks), which 64-key
 #     blocks give every causal diagonal tile. Causal N = 512, the Gluon kernel at 64-key blocks, three stages,
-#     persistent: d = 128 311-314 against the 128-key table tile's 298-300 (cuDNN 302-305); d = 64 231-233 against
+#     persistent: d = 128 309-314 against the 128-key table tile's 298-300 (cuDNN 302-305); d = 64 231-234 against
 #     the Triton tile's 210-212 (cuDNN 245-250). At N = 1024 the 128-key tiles led (d = 128 419-420 against
 #     394-399; d = 64 322-323 against 292-297), so these stop below 1024.
 WS_SHORT_KEYS = (512, 1024)

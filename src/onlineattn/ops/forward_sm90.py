@@ -585,6 +585,8 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False)
     if cfg.block_n not in (64, 128) or cfg.num_stages < 2:
         raise ValueError(f"config: the Hopper kernel runs 64- or 128-key blocks over two K/V stages or more (a "
                          f"causal tile's warpgroup 0 may skip a block, _skip), not {cfg}")
+    if o.dtype != q.dtype:
+        raise ValueError(f"o: the Hopper kernel stores O by TMA in q's dtype {q.dtype}, not {o.dtype}")
     b, sq, hq, d = q.shape
     if shared_bytes(d, cfg) > SHARED_BYTES:
         raise ValueError(f"config: {cfg} needs {shared_bytes(d, cfg)} bytes of shared memory at d = {d}; an SM has "
