@@ -163,7 +163,7 @@ def test_causal_head_groups_cover_every_program(monkeypatch, group, n):
     if B.backward_sm90 is not None:
         sm90_start = B.backward_sm90.start
         monkeypatch.setattr(B.backward_sm90, "start", lambda keep, kernel, grid, n, *a, **kw: taken.append(
-            ("sm90_dkdv", a[-1])) or sm90_start(keep, kernel, grid, n, *a, **kw))
+            ("sm90_dkdv", a[-2])) or sm90_start(keep, kernel, grid, n, *a, **kw))
     monkeypatch.setattr(_configs, "BWD_CAUSAL_HEAD_GROUP", 1)
     plain = B.backward(do, q, k, v, o, lse, 0.125, True)
     monkeypatch.setattr(_configs, "BWD_CAUSAL_HEAD_GROUP", group)

@@ -70,8 +70,14 @@ def tile_order(heads_per_group):
     each head's tiles, last to first. (The backward's kernels take it too, their tiles being key blocks for dK/dV.)
     """
     num_m = tl.num_programs(0)
-    num_bh = tl.num_programs(1)
     pid = tl.program_id(1).to(tl.int64) * num_m + tl.program_id(0)
+    return tile_of(pid, num_m, tl.num_programs(1), heads_per_group)
+
+
+@triton.jit
+def tile_of(pid, num_m, num_bh, heads_per_group):
+    """``tile_order`` of linear program (or persistent tile) index ``pid`` over ``num_m`` tiles of ``num_bh`` (batch,
+    kv head) columns."""
     per_group = heads_per_group * num_m
     first_bh = pid // per_group * heads_per_group
     heads = tl.minimum(num_bh - first_bh, heads_per_group)  # the last group may be short

@@ -223,6 +223,8 @@ class BwdTile:
     last_block_first: bool = False  # dq_ordered only: causal programs launch from the last key block (block 0 last)
     early_dv: bool = False  # gluon at d = 64/128 only: per row tile Sᵀ is waited for alone and dV's product issued
     #                         before dPᵀ is waited for (the same products in the same order: the same bits)
+    persistent: bool = False  # gluon only, not dq_ordered: one program per SM, each over key blocks in turn (the
+    #                           next block's loads run under the last one's dK/dV epilogue)
 
 
 @dataclass(frozen=True)
@@ -402,6 +404,18 @@ BWD_ORDERED_LAST_BLOCK_FIRST = {64: True, 128: False}
 #   64-row tile lost at 1024 (326-330 against 341-347), the 128-row fused ones tied at 4096 (ordered 432-439 against
 #   431-433, unordered 442-447 against 437-441). Per head dim, (non-causal, causal); the plain tiles keep the order.
 BWD_EARLY_DV = {64: (False, False), 128: (True, False)}
+# - Persistent dK/dV grids (session 30, NOTES v22; .devrun/bsweep30.py, whole backward through the table, graph-timed,
+#   two passes alternated with the tree before, TFLOP/s at N = 512 / 1024 / 2048 / 8192, B·N = 16k, H = 2048 / d).
+#   One program per SM, each over key blocks in the forward's snake order (counts by backward_sm90.programs), the next
+#   block's Q/dO under the last one's epilogue. d = 128's unordered fused tile, non-causal 315-316 / 394-399 /
+#   454-461 / 511-519 -> 325-328 / 410 / 469 / 527-530, causal 202-203 / 289-291 / 373-375 / 467-471 -> 207-208 /
+#   301-302 / 388-389 / 491-493; d = 64's plain tile non-causal 270-274 / 322-327 -> 278-280 / 326-328, causal 182-185
+#   / 249-252 -> 189-191 / 253-257. d = 256 within 1 % either way (-1.5 % causal 8192); d = 64's fused 128-row tiles
+#   lost non-causal (2048 / 8192: 385-390 / 437-451 -> 353-390 / 388-440) and tied or won causal: neither takes it.
+#   (Before the snake order and its program count, plain laps lost 5-25 % causal at d = 128 and 256 from 1024: the
+#   laps' first programs took every lap's longest block.) Ordered tiles cannot (their programs wait on one another).
+#   Per head dim: (the plain Gluon tile, the unordered fused-dQ tile).
+BWD_PERSISTENT = {64: (True, False), 128: (False, True)}
 
 
 def fused_dq_tile(head_dim: int, ordered: bool = False, *, causal: bool) -> BwdTile:
@@ -431,15 +445,16 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
         return cfg
     shortest = min(seqlen_q or 0, seqlen_k or 0)
     fused_from = BWD_FUSED_DQ_MIN_KEYS.get(head_dim)
+    persistent = BWD_PERSISTENT.get(head_dim, (False, False))
     if not deterministic and fused_from is not None and shortest >= fused_from[causal]:
-        return replace(cfg, dkdv=fused_dq_tile(head_dim, causal=causal))
+        return replace(cfg, dkdv=replace(fused_dq_tile(head_dim, causal=causal), persistent=persistent[1]))
     ordered_from = BWD_ORDERED_DQ_MIN_KEYS.get(head_dim, (None, None))[causal]
     if (deterministic and ordered_from is not None and shortest >= ordered_from
             and -(-seqlen_k // ws.block_n) <= ordered_blocks):
         return replace(cfg, dkdv=fused_dq_tile(head_dim, ordered=True, causal=causal))
     if shortest < BWD_WS_MIN_KEYS[head_dim][causal]:
         return cfg
-    return replace(cfg, dkdv=ws, dq=_BWD_WS_DQ.get(head_dim, cfg.dq))
+    return replace(cfg, dkdv=replace(ws, persistent=persistent[0]), dq=_BWD_WS_DQ.get(head_dim, cfg.dq))
 
 
 # - The backward's causal launch order (session 28, NOTES v20). The dK/dV and dQ grids ran head after head, each

@@ -19,11 +19,18 @@ issued before dPᵀ is waited for, so dSᵀ is computed while it runs: the same 
 
 and the group's sum of dK and dV stays in registers (no atomics, deterministic), as in ``backward.py``'s Triton
 kernel, after whose dQ kernel (which computes delta) this one runs (with ``fused_dq``, below, after the preprocess
-kernel). dK and dV leave by TMA stores from two Q/dO stages, free once both warpgroups are past their last tile,
-where ``stores_by_tma`` holds (64-row tiles at d = 64/128, outputs of q's dtype, aligned, two stages or more);
-otherwise (d = 256, 128-row tiles, float32 outputs, one stage) from registers. Plain attention only:
+kernel). dK and dV leave by TMA stores staged in each warpgroup's own K and V rows, free once both warpgroups are
+past the block's last matmul, where ``stores_by_tma`` holds (64-row tiles at d = 64/128, outputs of q's dtype,
+aligned); otherwise (d = 256, 128-row tiles, float32 outputs) from registers. Plain attention only:
 float16/bfloat16, equal head dims (64, 128 or 256), TMA-able strides; ``backward.py`` routes a launch here when
 ``bwd_config`` picks a ``gluon`` dK/dV tile.
+
+A ``persistent`` tile launches one program per SM (``programs``: the count whose busiest program has the least
+work), each taking key blocks in turn in the forward's snake order (``_key_block``). The producer loads the next
+block's first row tiles while the consumers finish the last block's dK and dV, then its K and V once they have
+released theirs (``kv_empty``); the Q/dO ring and the dSᵀ buffers run on across blocks. Each partition's per-block
+work is one function (``_producer_block``, ``_consumer_block``, ``_consumer_split_block``), called once where a
+program owns one block: a loop around it there cost the ordered dQ 2-3 % (NOTES v22).
 
 With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
 issues dQ = dS K for half of dQ's columns over all 128 keys behind that tile's dV and dK, and adds the result into
@@ -36,6 +43,7 @@ measured faster than the dQ kernel. Either way a pass after the kernel scales th
 
 import functools
 
+import numpy as np
 import torch
 from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
@@ -45,9 +53,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from ._common import LOG2E, tile_order, tma_aligned
+from ._common import LOG2E, tile_of, tma_aligned
 from ._launch import cdiv, start
-from .forward_sm90 import Tile, _sm_count, descriptor
+from .forward_sm90 import Tile, _sm_count, balanced_programs, descriptor, snake
 
 HEAD_DIMS = (64, 128, 256)  # what this kernel is built and tested for (d = 256 splits the head dim: _consumer_split)
 
@@ -70,29 +78,13 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
                                    stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
                                    stride_dvb, stride_dvs, stride_dvh, dq_rows,
                                    seqlen_q, seqlen_k, heads_kv, qk_scale,
-                                   sm_scale, head_group, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                   sm_scale, head_group, num_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                    GROUP: gl.constexpr, FUSED_DQ: gl.constexpr, ORDERED: gl.constexpr,
-                                   TMA_OUT: gl.constexpr, LAST_BLOCK_FIRST: gl.constexpr, EARLY_DV: gl.constexpr):
-    # (batch, kv head) columns in groups of head_group (ORDERED launches: 1, so a head's programs launch together),
-    # key block 0 first (under causal masking the one with the most rows), or with LAST_BLOCK_FIRST (ORDERED causal)
-    # the last: a tile's adds then come from the last key blocks first (_turn).
-    last_first, pid_bh = tile_order(head_group)
-    pid_n = last_first
-    if not LAST_BLOCK_FIRST:
-        pid_n = gl.num_programs(0) - 1 - last_first
-    off_b = pid_bh // heads_kv
-    off_hkv = pid_bh % heads_kv
-    n0 = pid_n * BLOCK_N
-    diag = seqlen_k - seqlen_q  # query i sees key j when j <= i + diag
-    lo = 0
-    if CAUSAL:  # rows before the first key's diagonal see none of this block
-        lo = gl.maximum(n0 - diag, 0) // BLOCK_M * BLOCK_M
-    row_tiles = gl.maximum(gl.cdiv(seqlen_q - lo, BLOCK_M), 0)  # per head of the group
-    shift = 0
-    if ORDERED and not CAUSAL:  # programs start their row tiles apart (_turn)
-        shift = (pid_n * _spacing(row_tiles * GROUP, seqlen_k, BLOCK_N)) % gl.maximum(row_tiles * GROUP, 1)
-
+                                   TMA_OUT: gl.constexpr, LAST_BLOCK_FIRST: gl.constexpr, EARLY_DV: gl.constexpr,
+                                   PERSISTENT: gl.constexpr):
+    # A program takes key block ``pid`` of ``num_tiles``, or with PERSISTENT (never ORDERED) ``pid, pid + programs,
+    # ...``, in _key_block's order.
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -123,7 +115,9 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     dq_smem = gl.allocate_shared_memory(gl.float32, [4 if ORDERED else 2, staged_rows, HEAD_DIM // 2], DQ.layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # K/V's last reads of a key block
     mbarrier.init(kv_bar, count=1)
+    mbarrier.init(kv_empty, count=2)  # one arrival per consumer warpgroup
     mbarrier.init(done, count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2)  # the copies' expect-tx arrival, then the row statistics' one
@@ -137,8 +131,6 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
 
     # Partition arguments must be IR values: an int argument equal to 1 arrives as a constexpr (lse's batch stride is
     # 1 when Hq · Sq = 1), so every int a partition takes is made a tensor.
-    seqlen_q = gl.to_tensor(seqlen_q)
-    seqlen_k = gl.to_tensor(seqlen_k)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
     stride_dkb = gl.to_tensor(stride_dkb)
@@ -147,86 +139,184 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     stride_dvb = gl.to_tensor(stride_dvb)
     stride_dvs = gl.to_tensor(stride_dvs)
     stride_dvh = gl.to_tensor(stride_dvh)
-    smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty)
-    where = (off_b, off_hkv, n0, lo, row_tiles, gl.to_tensor(shift), seqlen_q)
+    smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty)
+    shape = (gl.to_tensor(seqlen_q), gl.to_tensor(seqlen_k), gl.to_tensor(heads_kv), gl.to_tensor(head_group),
+             gl.to_tensor(num_tiles))
     dq_rows = gl.to_tensor(dq_rows)
-    consumer = smem + (ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done) + where + (
-        dk_desc, dv_desc, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, DQ, dq_rows,
-        seqlen_k, qk_scale, sm_scale)
-    loads = (q_desc, k_desc, v_desc, do_desc) + smem + where + (
-        LSE, DELTA, stride_lb, stride_lh, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED))
+    outs = (DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale)
+    consumer = smem + (ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done) + shape + (
+        dk_desc, dv_desc, DQ, dq_rows) + outs
+    loads = (q_desc, k_desc, v_desc, do_desc) + smem + shape + (LSE, DELTA, stride_lb, stride_lh, Tile(
+        0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED, LAST_BLOCK_FIRST=LAST_BLOCK_FIRST,
+        PERSISTENT=PERSISTENT))
     if HEAD_DIM > 128:  # both warpgroups on the same keys, each with half of dK's and dV's columns (_consumer_split)
         gl.static_assert(not FUSED_DQ, "fused_dq: d = 64 and 128 only")
         half_rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M // 2], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M // 2], half_rows)
         dst_smem = gl.allocate_shared_memory(dtype, [2, BLOCK_N, BLOCK_M // 2], half_rows)
-        split = smem + (p_smem, dst_smem, ds_ready.index(0), ds_free.index(0)) + where + (
-            DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, seqlen_k, qk_scale,
-            sm_scale)
+        split = smem + (p_smem, dst_smem, ds_ready.index(0), ds_free.index(0)) + shape + outs
         gl.warp_specialize([
-            (_consumer_split, split + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
-            (_consumer_split, split + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP),)),
+            (_consumer_split, split + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP,
+                                            PERSISTENT=PERSISTENT),)),
+            (_consumer_split, split + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP,
+                                            PERSISTENT=PERSISTENT),)),
             (_producer, loads),
         ], [4, 1], [240, 24])
     elif ORDERED:  # a fourth partition, one warp, adds the staged dQ tiles in their fixed order
         gl.static_assert(FUSED_DQ, "ORDERED orders the fused dQ's adds")
-        writer = (DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, dq_rows, seqlen_k, gl.to_tensor(heads_kv)) + where + (
-            Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED),)
+        writer = (DQ, dq_smem, dq_full, dq_empty, SEM, dq_rows) + shape + (
+            Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED,
+                 LAST_BLOCK_FIRST=LAST_BLOCK_FIRST),)
         gl.warp_specialize([
             (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED,
-                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, LAST_BLOCK_FIRST=LAST_BLOCK_FIRST),)),
             (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED,
-                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, LAST_BLOCK_FIRST=LAST_BLOCK_FIRST),)),
             (_producer, loads),
             (_dq_writer, writer),
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
             (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ,
-                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, PERSISTENT=PERSISTENT),)),
             (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ,
-                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, PERSISTENT=PERSISTENT),)),
             (_producer, loads),
         ], [4, 1], [240, 24])
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready,
-              empty, off_b, off_hkv, n0, lo, row_tiles, shift, seqlen_q, LSE, DELTA, stride_lb, stride_lh, tile):
-    """One warp: this block's K and V once, then for tile ``t`` (its head of the group and rows: ``_row_tile``)
-    Q and dO by TMA and the rows' lse (base 2, +inf where a row saw no key, so
-    P = 0 there and past the last row) and delta into stage ``t % STAGES``, once both consumers have released it."""
-    STAGES: gl.constexpr = tile.STAGES
-    BLOCK_M: gl.constexpr = tile.BLOCK_M
-    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [off_b, n0, off_hkv, 0], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [off_b, n0, off_hkv, 0], kv_bar, v_smem)
-    for t in range(row_tiles * tile.GROUP):
-        stage = t % STAGES
-        g, m = _row_tile(t, lo, row_tiles, shift, tile)
-        head = off_hkv * tile.GROUP + g
-        mbarrier.wait(empty.index(stage), ((t // STAGES) & 1) ^ 1)  # a fresh barrier passes the wait for parity 1
-        mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, m, head, 0], ready.index(stage), q_smem.index(stage))
-        tma.async_copy_global_to_shared(do_desc, [off_b, m, head, 0], ready.index(stage), do_smem.index(stage))
-        rows = m + gl.arange(0, BLOCK_M, layout=row_layout)
-        stats = off_b.to(gl.int64) * stride_lb + head * stride_lh + rows
-        lse = gl.load(LSE + stats, mask=rows < seqlen_q, other=float("inf"))
-        lse_smem.index(stage).store(gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634))
-        delta_smem.index(stage).store(gl.load(DELTA + stats, mask=rows < seqlen_q, other=0.0))
-        mbarrier.arrive(ready.index(stage))  # releases the stores above to the consumers' wait
+def _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, tile):
+    """Tile ``tid`` -> (batch, kv head, key block, its first key, its first row tile's first row, row tiles per head
+    of the group, the ORDERED rotation). (batch, kv head) columns go in groups of ``head_group`` (ORDERED: 1, so a
+    head's programs launch together), key block 0 first (under causal masking the one with the most rows), or with
+    LAST_BLOCK_FIRST (ORDERED causal) the last: a tile's adds then come from the last key blocks first (_turn).
+    Persistent programs take their laps of tiles in the forward's snake order (``programs``)."""
+    num_n = gl.cdiv(seqlen_k, tile.BLOCK_N)
+    if tile.PERSISTENT:
+        tid = snake(tid, num_tiles)
+    last_first, pid_bh = tile_of(tid, num_n, num_tiles // num_n, head_group)
+    pid_n = last_first
+    if not tile.LAST_BLOCK_FIRST:
+        pid_n = num_n - 1 - last_first
+    n0 = pid_n * tile.BLOCK_N
+    lo = 0
+    if tile.CAUSAL:  # rows before the first key's diagonal see none of this block (query i sees key j <= i + Sk - Sq)
+        lo = gl.maximum(n0 - (seqlen_k - seqlen_q), 0) // tile.BLOCK_M * tile.BLOCK_M
+    row_tiles = gl.maximum(gl.cdiv(seqlen_q - lo, tile.BLOCK_M), 0)  # per head of the group
+    shift = 0
+    if tile.ORDERED and not tile.CAUSAL:  # programs start their row tiles apart (_turn)
+        n_tiles = gl.maximum(row_tiles * tile.GROUP, 1)
+        shift = (pid_n * _spacing(row_tiles * tile.GROUP, seqlen_k, tile.BLOCK_N)) % n_tiles
+    return pid_bh // heads_kv, pid_bh % heads_kv, pid_n, n0, lo, row_tiles, shift
 
 
 @gluon.jit
-def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, ds_smem, ds_ready, ds_free,
-              dq_smem, dq_full, dq_empty, done,
-              off_b, off_hkv, n0, lo, row_tiles, shift, seqlen_q, dk_desc, dv_desc, DK, DV, stride_dkb, stride_dks,
-              stride_dkh, stride_dvb, stride_dvs, stride_dvh, DQ, dq_rows, seqlen_k, qk_scale, sm_scale, tile):
-    """One warpgroup: 64 keys' dK and dV over every row tile of the group, then stored (dK times the scale): by TMA
-    with TMA_OUT (``_store_dkdv_tma``), else from registers (``_store_dkdv``). With FUSED_DQ, per row tile also
-    dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to the float32 accumulator (unscaled) by TMA
-    reduces, one row tile behind (ORDERED: staged for the writer warp, _dq_writer)."""
+def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty,
+              ready, empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, LSE, DELTA, stride_lb, stride_lh,
+              tile):
+    """One warp: per key block after the program's first, its first row tiles (as many as the ring has stages), then
+    its K and V once both consumers are done with the last block's (``kv_empty``: under their epilogue the next
+    block's row tiles already stream in), then its other row tiles. Row tile ``t`` of the block (its head of the
+    group and rows: ``_row_tile``; ``it`` counts them across blocks) brings Q and dO by TMA and the rows' lse (base 2,
+    +inf where a row saw no key, so P = 0 there and past the last row) and delta into stage ``it % STAGES``, once
+    both consumers released it."""
+    if tile.PERSISTENT:  # key blocks pid, pid + programs, ...
+        it = 0
+        n = 0
+        for tid in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            it = _producer_block(tid, it, n, q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem,
+                                 lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, seqlen_q, seqlen_k, heads_kv,
+                                 head_group, num_tiles, LSE, DELTA, stride_lb, stride_lh, tile)
+            n += 1
+    else:  # one key block a program
+        _producer_block(gl.program_id(0), 0, 0, q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem,
+                        lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, seqlen_q, seqlen_k, heads_kv, head_group,
+                        num_tiles, LSE, DELTA, stride_lb, stride_lh, tile)
+
+
+@gluon.jit
+def _producer_block(tid, it, n, q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+                    kv_bar, kv_empty, ready, empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, LSE, DELTA,
+                    stride_lb, stride_lh, tile):
+    """_producer's key block ``tid``, the program's ``n``-th, its row tiles from the program's ``it``-th;
+    returns the next block's ``it``."""
+    off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group,
+                                                                 num_tiles, tile)
+    n_tiles = row_tiles * tile.GROUP
+    first = gl.minimum(n_tiles, tile.STAGES)  # before K and V, except in a program's first block
+    if n == 0:
+        first = 0
+    for t in range(first):
+        _load_rows(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, it + t, t, off_b, off_hkv,
+                   lo, row_tiles, shift, seqlen_q, LSE, DELTA, stride_lb, stride_lh, tile)
+    mbarrier.wait(kv_empty, (n & 1) ^ 1)  # a fresh barrier passes the wait for parity 1
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [off_b, n0, off_hkv, 0], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [off_b, n0, off_hkv, 0], kv_bar, v_smem)
+    for t in range(first, n_tiles):
+        _load_rows(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, it + t, t, off_b, off_hkv,
+                   lo, row_tiles, shift, seqlen_q, LSE, DELTA, stride_lb, stride_lh, tile)
+    it += n_tiles
+    return it
+
+
+@gluon.jit
+def _load_rows(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, it, t, off_b, off_hkv, lo,
+               row_tiles, shift, seqlen_q, LSE, DELTA, stride_lb, stride_lh, tile):
+    """Row tile ``t`` of a key block, the ``it``-th of the program, into stage ``it % STAGES`` (see _producer)."""
+    STAGES: gl.constexpr = tile.STAGES
+    BLOCK_M: gl.constexpr = tile.BLOCK_M
+    row_layout: gl.constexpr = gl.BlockedLayout([BLOCK_M // 32], [32], [1], [0])
+    stage = it % STAGES
+    g, m = _row_tile(t, lo, row_tiles, shift, tile)
+    head = off_hkv * tile.GROUP + g
+    mbarrier.wait(empty.index(stage), ((it // STAGES) & 1) ^ 1)  # a fresh barrier passes the wait for parity 1
+    mbarrier.expect(ready.index(stage), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [off_b, m, head, 0], ready.index(stage), q_smem.index(stage))
+    tma.async_copy_global_to_shared(do_desc, [off_b, m, head, 0], ready.index(stage), do_smem.index(stage))
+    rows = m + gl.arange(0, BLOCK_M, layout=row_layout)
+    stats = off_b.to(gl.int64) * stride_lb + head * stride_lh + rows
+    lse = gl.load(LSE + stats, mask=rows < seqlen_q, other=float("inf"))
+    lse_smem.index(stage).store(gl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634))
+    delta_smem.index(stage).store(gl.load(DELTA + stats, mask=rows < seqlen_q, other=0.0))
+    mbarrier.arrive(ready.index(stage))  # releases the stores above to the consumers' wait
+
+
+@gluon.jit
+def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_smem, ds_ready,
+              ds_free, dq_smem, dq_full, dq_empty, done, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles,
+              dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
+              stride_dvh, qk_scale, sm_scale, tile):
+    """One warpgroup, per key block: its 64 keys' dK and dV over every row tile of the group, then stored (dK times
+    the scale): by TMA with TMA_OUT (``_store_dkdv_tma``, staged in this warpgroup's K and V rows once both
+    warpgroups are done reading them), else from registers (``_store_dkdv``, after releasing K and V). With
+    FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to the float32
+    accumulator (unscaled) by TMA reduces, one row tile behind (ORDERED: staged for the writer warp, _dq_writer)."""
+    if tile.PERSISTENT:  # key blocks pid, pid + programs, ...
+        it = 0
+        n = 0
+        for tid in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            it = _consumer_block(tid, it, n, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty,
+                                 ready, empty, ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, seqlen_q,
+                                 seqlen_k, heads_kv, head_group, num_tiles, dk_desc, dv_desc, DQ, dq_rows, DK, DV,
+                                 stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale,
+                                 sm_scale, tile)
+            n += 1
+    else:  # one key block a program
+        _consumer_block(gl.program_id(0), 0, 0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar,
+                        kv_empty, ready, empty, ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, seqlen_q,
+                        seqlen_k, heads_kv, head_group, num_tiles, dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb,
+                        stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale, tile)
+
+
+@gluon.jit
+def _consumer_block(tid, it, n, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty,
+                    ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, seqlen_q, seqlen_k, heads_kv,
+                    head_group, num_tiles, dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh,
+                    stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale, tile):
+    """_consumer's key block ``tid``, the program's ``n``-th, its row tiles from the program's ``it``-th;
+    returns the next block's ``it``."""
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     STAGES: gl.constexpr = tile.STAGES
@@ -239,25 +329,27 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HALF_D, 16])
     dtype: gl.constexpr = q_smem.dtype
-    key0 = n0 + tile.WG * 64
-    keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
     diag = seqlen_k - seqlen_q
-    full_from = key0 + 63 - diag  # row tiles starting here see every key of this warpgroup
     zero_st = gl.zeros([64, BLOCK_M], gl.float32, layout=st_layout)
     zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
-    dk = gl.zeros([64, D], gl.float32, layout=kv_layout)
-    dv = gl.zeros([64, D], gl.float32, layout=kv_layout)
-
-    mbarrier.wait(kv_bar, 0)
     k = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
     v = v_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
     k_cols = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * HALF_D, HALF_D, dim=1)  # dQ's B operand: its columns
+    off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group,
+                                                                 num_tiles, tile)
+    key0 = n0 + tile.WG * 64
+    keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
+    full_from = key0 + 63 - diag  # row tiles starting here see every key of this warpgroup
     partial = key0 + 64 > seqlen_k  # keys past the end: zero-filled K and V, but P must be 0 there for dS
+    dk = gl.zeros([64, D], gl.float32, layout=kv_layout)
+    dv = gl.zeros([64, D], gl.float32, layout=kv_layout)
+    mbarrier.wait(kv_bar, n & 1)
     n_tiles = row_tiles * tile.GROUP
     for t in range(n_tiles):
-        stage = t % STAGES
+        g = it + t
+        stage = g % STAGES
         m = _row_tile(t, lo, row_tiles, shift, tile)[1]
-        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+        mbarrier.wait(ready.index(stage), (g // STAGES) & 1)
         q = q_smem.index(stage).reshape([BLOCK_M, D])
         do = do_smem.index(stage).reshape([BLOCK_M, D])
         st = warpgroup_mma(k, q.permute((1, 0)), zero_st, use_acc=False, is_async=True)
@@ -284,8 +376,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
             pt_op = gl.convert_layout(pt.to(dtype), a_layout)
         dst_op = gl.convert_layout(dst.to(dtype), a_layout)
         if tile.FUSED_DQ:
-            buf = t % 2  # this tile's dSᵀ, once both warpgroups have read the buffer's last tile (two tiles ago)
-            mbarrier.wait(ds_free.index(buf), ((t // 2) & 1) ^ 1)
+            buf = g % 2  # this tile's dSᵀ, once both warpgroups have read the buffer's last tile (two tiles ago)
+            mbarrier.wait(ds_free.index(buf), ((g // 2) & 1) ^ 1)
             ds_smem.index(buf).slice(tile.WG * 64, 64).store(dst.to(dtype))
             fence_async_shared()
             mbarrier.arrive(ds_ready.index(buf), count=1)
@@ -295,49 +387,78 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, rea
         if tile.FUSED_DQ:
             # The previous tile's dQ behind this tile's dV and dK: the other warpgroup wrote its half of that dSᵀ
             # a tile ago, so the two rarely wait for each other. At t = 0 nothing waits, arrives or is added.
-            pbuf = (t + 1) % 2  # (t - 1) % 2 from t = 1
-            mbarrier.wait(ds_ready.index(pbuf), ((t + 1) // 2 + 1) & 1, pred=t > 0)  # parity of use (t - 1) // 2
-            dq = warpgroup_mma(ds_smem.index(pbuf).permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
+            pbuf = (g + 1) % 2  # (g - 1) % 2 from t = 1
+            mbarrier.wait(ds_ready.index(pbuf), ((g + 1) // 2 + 1) & 1, pred=t > 0)  # parity of use (g - 1) // 2
+            dq = warpgroup_mma(ds_smem.index(pbuf).permute((1, 0)), k_cols, zero_dq, use_acc=False,
+                               is_async=True)
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
             mbarrier.arrive(ds_free.index(pbuf), count=1, pred=t > 0)
-            _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, t - 1, lo, row_tiles, shift, dq_rows, t > 0,
-                     tile)
+            _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, t - 1, lo, row_tiles, shift, dq_rows,
+                     t > 0, tile)
         else:
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
     if tile.FUSED_DQ:  # the last tile's dQ (nothing when there was no tile)
-        last = gl.maximum(n_tiles - 1, 0)
+        last = gl.maximum(it + n_tiles - 1, 0)
         mbarrier.wait(ds_ready.index(last % 2), (last // 2) & 1, pred=n_tiles > 0)
-        dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols, zero_dq, use_acc=False, is_async=True)
+        dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols, zero_dq, use_acc=False,
+                           is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(ds_free.index(last % 2), count=1, pred=n_tiles > 0)
-        _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, last, lo, row_tiles, shift, dq_rows, n_tiles > 0,
-                 tile)
+        _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, gl.maximum(n_tiles - 1, 0), lo, row_tiles,
+                 shift, dq_rows, n_tiles > 0, tile)
         if not tile.ORDERED:
             tma.store_wait(0)  # the last reduce has read its staging buffer
+    it += n_tiles
 
-    if tile.TMA_OUT:  # every Q/dO stage is free once both warpgroups are past their last tile (no more loads)
+    if tile.TMA_OUT:  # K and V are free once both warpgroups are past the block's last matmul
         mbarrier.arrive(done, count=1)
-        mbarrier.wait(done, 0)
-        _store_dkdv_tma(dk * sm_scale, dv, dk_desc, dv_desc, q_smem.index(tile.WG), do_smem.index(tile.WG), off_b,
-                        off_hkv, key0)
+        mbarrier.wait(done, n & 1)
+        _store_dkdv_tma(dk * sm_scale, dv, dk_desc, dv_desc, k, v, k_smem.slice(tile.WG * 64, 64, dim=1),
+                        v_smem.slice(tile.WG * 64, 64, dim=1), off_b, off_hkv, key0)
+        mbarrier.arrive(kv_empty, count=1)
     else:
+        mbarrier.arrive(kv_empty, count=1)
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
         out_keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
         _store_dkdv(dk, dv, DK, DV, off_b, off_hkv, out_keys, cols, seqlen_k, stride_dkb, stride_dks, stride_dkh,
                     stride_dvb, stride_dvs, stride_dvh, sm_scale)
+    return it
 
 
 @gluon.jit
-def _consumer_split(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, ready, empty, p_smem, dst_smem,
-                    pd_ready, pd_free, off_b, off_hkv, n0, lo, row_tiles, shift, seqlen_q, DK, DV, stride_dkb, stride_dks,
-                    stride_dkh, stride_dvb, stride_dvs, stride_dvh, seqlen_k, qk_scale, sm_scale, tile):
-    """One warpgroup at d = 256: the block's 64 keys, columns ``WG · D/2 ...`` of their dK and dV. Per row tile it
-    computes Sᵀ and dPᵀ for rows ``WG · 32 ...`` of the tile (the whole head dim), writes that half of Pᵀ and dSᵀ to
-    shared memory, and once both warpgroups have, adds its columns of dV = Pᵀ dO and dK = dSᵀ Q over all 64 rows
-    (two [64 keys, 32 rows] halves each). "pd_ready" counts the halves written, "pd_free" the warpgroups done
-    reading them."""
+def _consumer_split(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, p_smem,
+                    dst_smem, pd_ready, pd_free, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, DK, DV,
+                    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale, tile):
+    """One warpgroup at d = 256, per key block: the block's 64 keys, columns ``WG · D/2 ...`` of their dK and dV.
+    Per row tile it computes Sᵀ and dPᵀ for rows ``WG · 32 ...`` of the tile (the whole head dim), writes that half
+    of Pᵀ and dSᵀ to shared memory, and once both warpgroups have, adds its columns of dV = Pᵀ dO and dK = dSᵀ Q over
+    all 64 rows (two [64 keys, 32 rows] halves each). "pd_ready" counts the halves written, "pd_free" the
+    warpgroups done reading them. dK and dV leave from registers, after K and V are released."""
+    if tile.PERSISTENT:  # key blocks pid, pid + programs, ...
+        it = 0
+        n = 0
+        for tid in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            it = _consumer_split_block(tid, it, n, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar,
+                                       kv_empty, ready, empty, p_smem, dst_smem, pd_ready, pd_free, seqlen_q, seqlen_k,
+                                       heads_kv, head_group, num_tiles, DK, DV, stride_dkb, stride_dks, stride_dkh,
+                                       stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale, tile)
+            n += 1
+    else:  # one key block a program
+        _consumer_split_block(gl.program_id(0), 0, 0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar,
+                              kv_empty, ready, empty, p_smem, dst_smem, pd_ready, pd_free, seqlen_q, seqlen_k,
+                              heads_kv, head_group, num_tiles, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb,
+                              stride_dvs, stride_dvh, qk_scale, sm_scale, tile)
+
+
+@gluon.jit
+def _consumer_split_block(tid, it, n, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready,
+                          empty, p_smem, dst_smem, pd_ready, pd_free, seqlen_q, seqlen_k, heads_kv, head_group,
+                          num_tiles, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+                          qk_scale, sm_scale, tile):
+    """_consumer_split's key block ``tid``, the program's ``n``-th, its row tiles from the program's ``it``-th;
+    returns the next block's ``it``."""
     D: gl.constexpr = tile.HEAD_DIM
     HALF_D: gl.constexpr = D // 2
     BLOCK_M: gl.constexpr = tile.BLOCK_M
@@ -347,21 +468,25 @@ def _consumer_split(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ba
                                                         instr_shape=[16, HALF_M, 16])
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HALF_D, 16])
+    stats: gl.constexpr = gl.SliceLayout(0, st_layout)
     dtype: gl.constexpr = q_smem.dtype
-    keys = n0 + gl.arange(0, tile.BLOCK_N, layout=gl.SliceLayout(1, st_layout))
     diag = seqlen_k - seqlen_q
-    full_from = n0 + tile.BLOCK_N - 1 - diag  # row tiles starting here see every key of the block
     zero_st = gl.zeros([tile.BLOCK_N, HALF_M], gl.float32, layout=st_layout)
-    dk = gl.zeros([tile.BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
-    dv = gl.zeros([tile.BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
-
-    mbarrier.wait(kv_bar, 0)
     k = k_smem.reshape([tile.BLOCK_N, D])
     v = v_smem.reshape([tile.BLOCK_N, D])
-    for t in range(row_tiles * tile.GROUP):
-        stage = t % STAGES
+    off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group,
+                                                                 num_tiles, tile)
+    keys = n0 + gl.arange(0, tile.BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    full_from = n0 + tile.BLOCK_N - 1 - diag  # row tiles starting here see every key of the block
+    dk = gl.zeros([tile.BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
+    dv = gl.zeros([tile.BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
+    mbarrier.wait(kv_bar, n & 1)
+    n_tiles = row_tiles * tile.GROUP
+    for t in range(n_tiles):
+        g = it + t
+        stage = g % STAGES
         m = _row_tile(t, lo, row_tiles, shift, tile)[1]
-        mbarrier.wait(ready.index(stage), (t // STAGES) & 1)
+        mbarrier.wait(ready.index(stage), (g // STAGES) & 1)
         q = q_smem.index(stage).reshape([BLOCK_M, D])
         do = do_smem.index(stage).reshape([BLOCK_M, D])
         st = warpgroup_mma(k, q.slice(tile.WG * HALF_M, HALF_M).permute((1, 0)), zero_st, use_acc=False,
@@ -369,7 +494,6 @@ def _consumer_split(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ba
         dpt = warpgroup_mma(v, do.slice(tile.WG * HALF_M, HALF_M).permute((1, 0)), zero_st, use_acc=False,
                             is_async=True)
         st, dpt = warpgroup_mma_wait(0, deps=(st, dpt))
-        stats: gl.constexpr = gl.SliceLayout(0, st_layout)
         lse = lse_smem.index(stage).slice(tile.WG * HALF_M, HALF_M).load(stats)
         pt = gl.exp2(st * qk_scale - lse[None, :])
         if tile.CAUSAL:
@@ -377,12 +501,12 @@ def _consumer_split(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ba
                 rows = m + tile.WG * HALF_M + gl.arange(0, HALF_M, layout=stats)
                 pt = gl.where(keys[:, None] <= rows[None, :] + diag, pt, 0.0)
         dst = pt * (dpt - delta_smem.index(stage).slice(tile.WG * HALF_M, HALF_M).load(stats)[None, :])
-        mbarrier.wait(pd_free, (t & 1) ^ 1)  # both warpgroups read the last tile's halves (a fresh barrier passes)
+        mbarrier.wait(pd_free, (g & 1) ^ 1)  # both warpgroups read the last tile's halves (a fresh barrier passes)
         p_smem.index(tile.WG).store(pt.to(dtype))
         dst_smem.index(tile.WG).store(dst.to(dtype))
         fence_async_shared()
         mbarrier.arrive(pd_ready, count=1)
-        mbarrier.wait(pd_ready, t & 1)
+        mbarrier.wait(pd_ready, g & 1)
         for h in gl.static_range(2):
             do_h = do.slice(h * HALF_M, HALF_M).slice(tile.WG * HALF_D, HALF_D, dim=1)
             q_h = q.slice(h * HALF_M, HALF_M).slice(tile.WG * HALF_D, HALF_D, dim=1)
@@ -391,11 +515,13 @@ def _consumer_split(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ba
         dv, dk = warpgroup_mma_wait(0, deps=(dv, dk))
         mbarrier.arrive(empty.index(stage), count=1)
         mbarrier.arrive(pd_free, count=1)
-
+    it += n_tiles
+    mbarrier.arrive(kv_empty, count=1)
     cols = tile.WG * HALF_D + gl.arange(0, HALF_D, layout=gl.SliceLayout(0, kv_layout))
     out_keys = n0 + gl.arange(0, tile.BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     _store_dkdv(dk, dv, DK, DV, off_b, off_hkv, out_keys, cols, seqlen_k, stride_dkb, stride_dks, stride_dkh,
                 stride_dvb, stride_dvs, stride_dvh, sm_scale)
+    return it
 
 
 @gluon.jit
@@ -410,16 +536,16 @@ def _store_dkdv(dk, dv, DK, DV, off_b, off_hkv, out_keys, cols, seqlen_k, stride
 
 
 @gluon.jit
-def _store_dkdv_tma(dk, dv, dk_desc, dv_desc, k_buf, v_buf, off_b, off_hkv, key0):
-    """A warpgroup's 64 rows of dK (already scaled) and dV by TMA stores from two free Q/dO stages (a stage's box
-    is a [64, D] tile of one head, dK's and dV's shape, type and layout); the copy engine drops keys past the end.
-    (``gl.store`` from the wgmma layout cost the forward 10-25 % at short lengths, NOTES v13.)"""
-    D: gl.constexpr = dk.shape[1]
-    k_buf.reshape([64, D]).store(dk.to(dk_desc.dtype))
-    v_buf.reshape([64, D]).store(dv.to(dv_desc.dtype))
+def _store_dkdv_tma(dk, dv, dk_desc, dv_desc, k_rows, v_rows, k_box, v_box, off_b, off_hkv, key0):
+    """A warpgroup's 64 rows of dK (already scaled) and dV by TMA stores, staged in its own 64 rows of K and V
+    (``k_rows``/``v_rows`` as ``[64, D]``, ``k_box``/``v_box`` as ``[1, 64, 1, D]``: dK's and dV's box, type and
+    swizzle); the copy engine drops keys past the end. Returns once the copies have read them. (``gl.store`` from
+    the wgmma layout cost the forward 10-25 % at short lengths, NOTES v13.)"""
+    k_rows.store(dk.to(dk_desc.dtype))
+    v_rows.store(dv.to(dv_desc.dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hkv, 0], k_buf)
-    tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hkv, 0], v_buf)
+    tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hkv, 0], k_box)
+    tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hkv, 0], v_box)
     tma.store_wait(0)
 
 
@@ -482,8 +608,8 @@ def _stage_dq(dq, dq_smem, dq_full, dq_empty, t, valid, tile):
 
 
 @gluon.jit
-def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqlen_k, heads_kv, off_b, off_hkv, n0, lo,
-               row_tiles, shift, seqlen_q, tile):
+def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, rows_per_batch, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles,
+               tile):
     """ORDERED, one warp: the program's dQ tiles into the float32 accumulator in a fixed order. Each (batch, head,
     row tile) has a counter in ``SEM`` (int32, zeroed) of the adds landed; the writer waits until it reaches this
     program's turn (``_turn``), issues both warpgroups' TMA copies (a tile's first turn stores, so the accumulator
@@ -499,6 +625,8 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, pid_n, rows_per_batch, seqle
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     HALF_D: gl.constexpr = tile.HEAD_DIM // 2
     lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
+    off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(gl.program_id(0), seqlen_q, seqlen_k, heads_kv,
+                                                                 head_group, num_tiles, tile)  # one block a program
     n_tiles = row_tiles * tile.GROUP
     q_tiles = rows_per_batch // BLOCK_M
     heads_q = heads_kv * tile.GROUP
@@ -579,12 +707,13 @@ def descriptors(q, k, v, do, dk, dv, tile) -> tuple:
 
 
 def stores_by_tma(q, dk, dv, tile) -> bool:
-    """Whether the kernel stores dK and dV by TMA from two free Q/dO stages: at d = 64 and 128 with 64-row tiles (a
-    stage is then a warpgroup's dK or dV box), into outputs of q's dtype with a 16-byte aligned base and strides,
-    with a ring of two stages or more. Otherwise it stores them from registers (``gl.store``), as at d = 256, with
-    128-row tiles and for ring attention, which sums its steps into float32 dk and dv."""
-    return (q.shape[-1] <= 128 and tile.block_m == KEYS_PER_WARPGROUP and tile.num_stages >= 2
-            and dk.dtype == q.dtype and dv.dtype == q.dtype and tma_aligned(dk, dv))
+    """Whether the kernel stores dK and dV by TMA, staged in each warpgroup's own 64 rows of K and V (a [64, D] box,
+    dK's and dV's shape, type and swizzle): at d = 64 and 128 with 64-row tiles, into outputs of q's dtype with a
+    16-byte aligned base and strides. Otherwise it stores them from registers (``gl.store``), as at d = 256 (whose
+    warpgroups share their keys), for ring attention, which sums its steps into float32 dk and dv, and on 128-row
+    tiles (d = 64's fused dQ), where TMA stores measured 3-5 % slower non-causal (NOTES v22)."""
+    return (q.shape[-1] <= 128 and tile.block_m == KEYS_PER_WARPGROUP and dk.dtype == q.dtype and dv.dtype == q.dtype
+            and tma_aligned(dk, dv))
 
 
 def dq_descriptor(dq_acc, tile, d: int, device):
@@ -639,9 +768,15 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
         raise ValueError("dq_sem: a dq_ordered tile needs the int32 counters, and only it takes them")
     if delta.stride() != lse.stride():
         raise ValueError(f"delta: the kernel reads it with lse's strides {lse.stride()}, not {delta.stride()}")
+    if tile.persistent and tile.dq_ordered:
+        raise ValueError("config: dq_ordered tiles wait on other key blocks' programs, so each takes one block: "
+                         "not persistent")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    grid = (cdiv(sk, tile.block_n), b * hkv)
+    num_tiles = cdiv(sk, tile.block_n) * b * hkv
+    group = 1 if tile.dq_ordered else head_group
+    grid = (programs(sq, sk, b * hkv, hq // hkv, causal, tile.block_m, tile.block_n, group, _sm_count(q.device))
+            if tile.persistent else num_tiles,)
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descriptors(q, k, v, do, dk, dv, tile)
     rows_per_batch = cdiv(sq, tile.block_m) * tile.block_m
     if dq_acc is not None and (dq_acc.shape != (b, rows_per_batch, hq, d) or not dq_acc.is_contiguous()
@@ -653,8 +788,9 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
                 or not dq_sem.is_contiguous():
             raise ValueError(f"dq_sem: contiguous int32 [B, Hq, row tiles] = {(b, hq, rows_per_batch // tile.block_m)}, "
                              f"not {dq_sem.dtype} {tuple(dq_sem.shape)}")
-        if grid[0] > ordered_blocks(q.device):  # a (batch, kv head)'s programs wait on each other: all resident
-            raise ValueError(f"config: dq_ordered needs all {grid[0]} key blocks of a (batch, kv head) resident at "
+        blocks = cdiv(sk, tile.block_n)
+        if blocks > ordered_blocks(q.device):  # a (batch, kv head)'s programs wait on each other: all resident
+            raise ValueError(f"config: dq_ordered needs all {blocks} key blocks of a (batch, kv head) resident at "
                              f"once, and this device runs {ordered_blocks(q.device)}")
     dq_arg = dq_descriptor(dq_acc, tile, d, q.device)
     kept = start(
@@ -662,13 +798,30 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse, delta, dk, dv, dq_arg, semaphores(dq_sem, q.device),
         lse.stride(0), lse.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), rows_per_batch,
-        sq, sk, hkv, scale * LOG2E, scale, 1 if tile.dq_ordered else head_group,
+        sq, sk, hkv, scale * LOG2E, scale, group, num_tiles,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
         GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, ORDERED=tile.dq_ordered, TMA_OUT=stores_by_tma(q, dk, dv, tile),
-        LAST_BLOCK_FIRST=tile.last_block_first and causal, EARLY_DV=tile.early_dv,
+        LAST_BLOCK_FIRST=tile.last_block_first and causal, EARLY_DV=tile.early_dv, PERSISTENT=tile.persistent,
         num_warps=4,
     )
     return grid, kept
+
+
+@functools.lru_cache(maxsize=256)
+def programs(seqlen_q: int, seqlen_k: int, columns: int, group: int, causal: bool, block_m: int, block_n: int,
+             head_group: int, sms: int) -> int:
+    """A persistent launch's program count over key blocks of ``columns`` (batch, kv head) columns in launch order
+    (``_key_block``: ``tile_of``, groups of ``head_group`` columns, block 0 first), a block costing its row tiles
+    (of the ``group`` heads) plus 2: what a program's fixed work cost against a row tile at d = 128 (NOTES v22).
+    ``balanced_programs`` picks the count."""
+    num_n = cdiv(seqlen_k, block_n)
+    n0 = np.arange(num_n) * block_n
+    lo = np.maximum(n0 - (seqlen_k - seqlen_q), 0) // block_m * block_m if causal else np.zeros(num_n, dtype=np.int64)
+    cost = np.maximum(-(-(seqlen_q - lo) // block_m), 0) * group + 2.0
+    t = np.arange(num_n * columns)
+    per_group = head_group * num_n
+    heads = np.minimum(columns - t // per_group * head_group, head_group)
+    return balanced_programs(cost[t % per_group // heads], sms)
 
 
 def semaphores(dq_sem, device):

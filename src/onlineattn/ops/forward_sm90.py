@@ -66,10 +66,13 @@ class Tile:
     TMA_OUT: gl.constexpr  # the dK/dV kernel stores dK and dV by TMA (backward_sm90.stores_by_tma)
     HALF_DIAG: gl.constexpr  # the forward: warpgroup 0 takes its tiles' diagonal block at half width (half_diagonal)
     EARLY_DV: gl.constexpr  # the dK/dV kernel: Sᵀ waited for alone, dV issued before dPᵀ is (BwdTile.early_dv)
+    LAST_BLOCK_FIRST: gl.constexpr  # the dK/dV kernel: key blocks from the last (BwdTile.last_block_first)
+    PERSISTENT: gl.constexpr  # the dK/dV kernel: programs loop over key blocks (BwdTile.persistent)
 
     @gluon.constexpr_function
     def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False, ORDERED=False,
-                 Q_STAGES=1, TMA_OUT=False, HALF_DIAG=False, EARLY_DV=False):
+                 Q_STAGES=1, TMA_OUT=False, HALF_DIAG=False, EARLY_DV=False, LAST_BLOCK_FIRST=False,
+                 PERSISTENT=False):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -83,6 +86,8 @@ class Tile:
         self.TMA_OUT = gl.constexpr(TMA_OUT)
         self.HALF_DIAG = gl.constexpr(HALF_DIAG)
         self.EARLY_DV = gl.constexpr(EARLY_DV)
+        self.LAST_BLOCK_FIRST = gl.constexpr(LAST_BLOCK_FIRST)
+        self.PERSISTENT = gl.constexpr(PERSISTENT)
 
 
 @gluon.jit
@@ -147,10 +152,7 @@ def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile):
     get o = 0 and lse = -inf like any row that sees no key (o is 0 · V there: NaN where that block of V holds inf or
     NaN, as for any masked key of a computed block; with HALF_DIAG warpgroup 0 multiplies only the block's first 64
     keys' V)."""
-    programs = gl.num_programs(0)
-    lap = t // programs
-    mirror = (lap % 2 == 1) & ((lap + 1) * programs <= num_tiles)
-    t = gl.where(mirror, lap * programs + (programs - 1 - t % programs), t)
+    t = snake(t, num_tiles)
     num_m = gl.cdiv(seqlen_q, tile.BLOCK_M)
     pid_m = t % num_m
     if tile.CAUSAL:
@@ -162,6 +164,16 @@ def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile):
         hi = gl.minimum(seqlen_k, m0 + tile.BLOCK_M + seqlen_k - seqlen_q)
     n_blocks = gl.maximum(gl.cdiv(hi, tile.BLOCK_N), 1)
     return pid_bh // heads_q, pid_bh % heads_q, m0, n_blocks
+
+
+@gluon.jit
+def snake(t, num_tiles):
+    """A persistent program's ``t``-th tile (``t = pid, pid + programs, ...``: laps of ``programs`` tiles) in the
+    snake order: every odd full lap reversed (``balanced_programs``). One lap (a tile per program): ``t`` itself."""
+    programs = gl.num_programs(0)
+    lap = t // programs
+    mirror = (lap % 2 == 1) & ((lap + 1) * programs <= num_tiles)
+    return gl.where(mirror, lap * programs + (programs - 1 - t % programs), t)
 
 
 @gluon.jit
@@ -614,24 +626,31 @@ def half_diagonal(seqlen_q: int, seqlen_k: int, causal: bool, cfg) -> bool:
 @functools.lru_cache(maxsize=256)
 def programs(num_tiles: int, seqlen_q: int, seqlen_k: int, causal: bool, block_m: int, block_n: int,
              sms: int) -> int:
-    """A persistent launch's program count. Programs take laps of tiles, odd full laps reversed (``_tile_coords``);
-    of ``3/4 sms ... sms`` programs this picks the count whose busiest program has the least work, a tile counting
-    as its key blocks plus one (the per-tile cost measured at N = 512, NOTES v14), ties to the most programs. Under
-    causal the tiles differ in length and an uneven last lap left the busiest program 11 % over the mean (d = 128,
-    N = 512, 132 programs; 128 balance exactly). Past 64 laps the count is ``sms``: the tail is a small share."""
-    if num_tiles <= sms or num_tiles > 64 * sms:
-        return min(num_tiles, sms)
+    """A persistent launch's program count (``balanced_programs``), a tile counting as its key blocks plus one (the
+    per-tile cost measured at N = 512, NOTES v14). Under causal the tiles differ in length and an uneven last lap
+    left the busiest program 11 % over the mean (d = 128, N = 512, 132 programs; 128 balance exactly)."""
     num_m = cdiv(seqlen_q, block_m)
     m0 = np.arange(num_m)[::-1] * block_m if causal else np.zeros(num_m, dtype=np.int64)  # tile t's rows: t % num_m
     hi = np.minimum(seqlen_k, m0 + block_m + seqlen_k - seqlen_q) if causal else np.full(num_m, seqlen_k)
     cost = np.maximum(-(-hi // block_n), 1) + 1.0
+    return balanced_programs(cost[np.arange(num_tiles) % num_m], sms)
+
+
+def balanced_programs(cost, sms: int) -> int:
+    """The program count of a persistent launch whose tiles cost ``cost`` (in launch order): programs take laps of
+    tiles, odd full laps reversed (``snake``); of ``3/4 sms ... sms`` programs this picks the count whose busiest
+    program has the least work, ties to the most programs. Past 64 laps the count is ``sms``: the tail is a small
+    share."""
+    num_tiles = len(cost)
+    if num_tiles <= sms or num_tiles > 64 * sms:
+        return min(num_tiles, sms)
     t = np.arange(num_tiles)
     best, best_load = sms, None
     for count in range(sms, (3 * sms) // 4 - 1, -1):
         lap, pos = t // count, t % count
         mirror = (lap % 2 == 1) & ((lap + 1) * count <= num_tiles)
         taken = np.where(mirror, lap * count + count - 1 - pos, t)
-        load = np.bincount(pos, weights=cost[taken % num_m], minlength=count).max()
+        load = np.bincount(pos, weights=cost[taken], minlength=count).max()
         if best_load is None or load < best_load:
             best, best_load = count, load
     return best
