@@ -176,8 +176,8 @@ def test_dk_dv_leave_by_tma_where_they_can():
 
 def test_persistent_tiles_are_refused_where_they_cannot_run(monkeypatch):
     """A persistent launch takes at most min(key blocks · batch · kv heads, SMs) programs (with 4 SMs, 3: the
-    causal blocks' laps balance better); an ordered tile cannot be persistent (its programs wait on other key
-    blocks' programs), a ValueError naming the config."""
+    causal blocks' laps balance better); persistent is refused (a ValueError naming the config) on a Triton dK/dV
+    tile, on the dQ tile, and on an ordered tile (its programs wait on other key blocks' programs)."""
     from onlineattn.ops import backward_sm90
 
     grids = []
@@ -189,6 +189,11 @@ def test_persistent_tiles_are_refused_where_they_cannot_run(monkeypatch):
         backward_sm90.launch_dkdv(q, k, v, do, lse, lse, k, v, 0.1, True, replace(_BWD_WS_DKDV[128], persistent=True))
     backward_sm90.launch_dkdv(q, k, v, do, lse, lse, k, v, 0.1, True, _BWD_WS_DKDV[128])
     assert grids == [(6,), (3,), (6,)]  # 3 key blocks x 2 kv heads
+    triton_tile = bwd_config(128, 128, torch.bfloat16, "cuda")
+    for cfg in (replace(triton_tile, dkdv=replace(triton_tile.dkdv, persistent=True)),
+                replace(triton_tile, dkdv=_BWD_WS_DKDV[128], dq=replace(triton_tile.dq, persistent=True))):
+        with pytest.raises(ValueError, match="config: persistent runs the Hopper dK/dV kernel's programs"):
+            B.backward(do, q, k, v, torch.randn_like(q), lse, 0.1, True, config=cfg)
     with pytest.raises(ValueError, match="config: dq_ordered tiles wait on other key blocks' programs"):
         backward_sm90.launch_dkdv(q, k, v, do, lse, lse, k, v, 0.1, False,
                                   replace(fused_dq_tile(128, ordered=True, causal=False), persistent=True),
@@ -205,6 +210,7 @@ def test_persistent_programs_balance_the_causal_laps():
     assert programs(1024, 1024, 256, 1, False, 64, 128, 1, 132) == 132
     assert programs(300, 300, 2, 1, True, 64, 128, 1, 132) == 6
     assert programs(2048, 2048, 128, 1, True, 64, 128, 8, 132) == 128  # 16 blocks of 1-32 row tiles, groups of 8
+    assert programs(2048, 2048, 4, 1, True, 64, 128, 1, 1) == 1  # one SM: one program (no count of 0 tried)
     for case in ((1000, 1000, 37, 3, True, 64, 128, 5, 132), (513, 700, 64, 1, True, 128, 128, 8, 100),
                  (2048, 1024, 40, 2, True, 64, 64, 8, 60), (700, 900, 300, 1, False, 64, 128, 1, 132)):
         assert programs(*case) == _busiest_least(*case), case
@@ -416,11 +422,13 @@ def test_matches_oracle(shape, causal, dtype, d, fused, ordered, rows):
                                           (128, True, False), (128, True, True), (256, False, False)],
                          ids=["64", "64-fused-dq", "128", "128-fused-dq", "128-fused-dq-float32-out", "256"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", SHAPES[1:] + [(3, 300, 700, 6, 3)], ids=lambda s: "x".join(map(str, s)))
 def test_persistent_programs_take_many_key_blocks(shape, causal, d, fused, wide, monkeypatch):
-    """A persistent grid of 3 programs, so each runs many key blocks in turn (K and V reloaded under the last
-    block's epilogue, the Q/dO ring and the dSᵀ buffers wrapping across blocks; blocks of other heads and batch
-    entries, with row tiles of one head or of a GQA group): dK and dV are bitwise those of one program per block
+    """A persistent grid of at most 3 programs, so each runs several key blocks in turn where there are more than
+    3 (K and V reloaded under the last block's epilogue, the Q/dO ring and the dSᵀ buffers wrapping across blocks;
+    blocks of other heads and batch entries, with row tiles of one head or of a GQA group; the last shape's 9
+    (batch, kv head) columns go in causal head groups, bwd_head_group): dK and dV are bitwise those of one program
+    per block
     (the same sums in the same order), dQ too where the dQ kernel computes it (else to float32's summation order),
     and all meet the §3 rule. Stores by TMA (staged in K and V) and, into float32 outputs and at d = 256, from
     registers."""

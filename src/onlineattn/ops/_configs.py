@@ -223,7 +223,7 @@ class BwdTile:
     last_block_first: bool = False  # dq_ordered only: causal programs launch from the last key block (block 0 last)
     early_dv: bool = False  # gluon at d = 64/128 only: per row tile Sᵀ is waited for alone and dV's product issued
     #                         before dPᵀ is waited for (the same products in the same order: the same bits)
-    persistent: bool = False  # gluon only, not dq_ordered: one program per SM, each over key blocks in turn (the
+    persistent: bool = False  # gluon only, not dq_ordered: up to one program per SM, each over key blocks (the
     #                           next block's loads run under the last one's dK/dV epilogue)
 
 
@@ -406,12 +406,12 @@ BWD_ORDERED_LAST_BLOCK_FIRST = {64: True, 128: False}
 BWD_EARLY_DV = {64: (False, False), 128: (True, False)}
 # - Persistent dK/dV grids (session 30, NOTES v22; .devrun/bsweep30.py, whole backward through the table, graph-timed,
 #   two passes alternated with the tree before, TFLOP/s at N = 512 / 1024 / 2048 / 8192, B·N = 16k, H = 2048 / d).
-#   One program per SM, each over key blocks in the forward's snake order (counts by backward_sm90.programs), the next
+#   Up to one program per SM, each over key blocks in the forward's snake order (backward_sm90.programs), the next
 #   block's Q/dO under the last one's epilogue. d = 128's unordered fused tile, non-causal 315-316 / 394-399 /
 #   454-461 / 511-519 -> 325-328 / 410 / 469 / 527-530, causal 202-203 / 289-291 / 373-375 / 467-471 -> 207-208 /
 #   301-302 / 388-389 / 491-493; d = 64's plain tile non-causal 270-274 / 322-327 -> 278-280 / 326-328, causal 182-185
-#   / 249-252 -> 189-191 / 253-257. d = 256 within 1 % either way (-1.5 % causal 8192); d = 64's fused 128-row tiles
-#   lost non-causal (2048 / 8192: 385-390 / 437-451 -> 353-390 / 388-440) and tied or won causal: neither takes it.
+#   / 249-252 -> 189-191 / 253-257. d = 256 within 1 % either way (-1 % causal 8192); d = 64's fused 128-row tiles
+#   lost non-causal (2048 / 8192: 385-390 / 437-451 -> 353-354 / 388-392) and tied or won causal: neither takes it.
 #   (Before the snake order and its program count, plain laps lost 5-25 % causal at d = 128 and 256 from 1024: the
 #   laps' first programs took every lap's longest block.) Ordered tiles cannot (their programs wait on one another).
 #   Per head dim: (the plain Gluon tile, the unordered fused-dQ tile).

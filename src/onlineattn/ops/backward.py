@@ -499,6 +499,9 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
             raise ValueError("config: dq_ordered orders a fused_dq tile's adds; this tile fuses no dQ")
         if cfg.dkdv.early_dv and not cfg.dkdv.gluon:
             raise ValueError("config: early_dv orders the Hopper dK/dV kernel's matmuls; this tile is not gluon")
+        if (cfg.dkdv.persistent and not cfg.dkdv.gluon) or cfg.dq.persistent:
+            raise ValueError("config: persistent runs the Hopper dK/dV kernel's programs over key blocks; "
+                             "this tile is not a gluon dK/dV tile")
         if cfg.dkdv.last_block_first and not cfg.dkdv.dq_ordered:
             raise ValueError("config: last_block_first orders a dq_ordered tile's launch; this tile is not ordered")
         if cfg.dkdv.fused_dq and exact and not cfg.dkdv.dq_ordered:

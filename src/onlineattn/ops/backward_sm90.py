@@ -25,8 +25,8 @@ aligned); otherwise (d = 256, 128-row tiles, float32 outputs) from registers. Pl
 float16/bfloat16, equal head dims (64, 128 or 256), TMA-able strides; ``backward.py`` routes a launch here when
 ``bwd_config`` picks a ``gluon`` dK/dV tile.
 
-A ``persistent`` tile launches one program per SM (``programs``: the count whose busiest program has the least
-work), each taking key blocks in turn in the forward's snake order (``_key_block``). The producer loads the next
+A ``persistent`` tile launches at most one program per SM (``programs``: of 3/4 of the SMs to all of them, the count
+whose busiest program has the least work), each taking key blocks in turn in the forward's snake order (``_key_block``). The producer loads the next
 block's first row tiles while the consumers finish the last block's dK and dV, then its K and V once they have
 released theirs (``kv_empty``); the Q/dO ring and the dSᵀ buffers run on across blocks. Each partition's per-block
 work is one function (``_producer_block``, ``_consumer_block``, ``_consumer_split_block``), called once where a
@@ -84,7 +84,9 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
                                    TMA_OUT: gl.constexpr, LAST_BLOCK_FIRST: gl.constexpr, EARLY_DV: gl.constexpr,
                                    PERSISTENT: gl.constexpr):
     # A program takes key block ``pid`` of ``num_tiles``, or with PERSISTENT (never ORDERED) ``pid, pid + programs,
-    # ...``, in _key_block's order.
+    # ...``, in _key_block's order. Only the producer's and the ORDERED partitions' Tiles carry LAST_BLOCK_FIRST.
+    gl.static_assert(ORDERED or not LAST_BLOCK_FIRST, "LAST_BLOCK_FIRST orders an ORDERED launch")
+    gl.static_assert(not (ORDERED and PERSISTENT), "ORDERED programs wait on one another: one key block each")
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -696,7 +698,7 @@ def _release(ptrs, lane):
 
 def descriptors(q, k, v, do, dk, dv, tile) -> tuple:
     """Q's, K's, V's, dO's, dK's and dV's descriptors for ``tile``: a row tile of one head, a key block of one kv
-    head, and for dK and dV a warpgroup's 64 keys (the Q/dO stages' box, which stage them). Where the kernel stores
+    head, and for dK and dV a warpgroup's 64 keys (its K and V rows' box, which stage them). Where the kernel stores
     dK and dV from registers (``stores_by_tma`` is false) Q's and dO's stand in for them, unread."""
     d = q.shape[-1]
     rows_block, keys_block, out_block = (1, tile.block_m, 1, d), (1, tile.block_n, 1, d), (1, KEYS_PER_WARPGROUP, 1, d)
@@ -818,10 +820,12 @@ def programs(seqlen_q: int, seqlen_k: int, columns: int, group: int, causal: boo
     n0 = np.arange(num_n) * block_n
     lo = np.maximum(n0 - (seqlen_k - seqlen_q), 0) // block_m * block_m if causal else np.zeros(num_n, dtype=np.int64)
     cost = np.maximum(-(-(seqlen_q - lo) // block_m), 0) * group + 2.0
-    t = np.arange(num_n * columns)
     per_group = head_group * num_n
-    heads = np.minimum(columns - t // per_group * head_group, head_group)
-    return balanced_programs(cost[t % per_group // heads], sms)
+
+    def cost_of(t):  # tile t's key block: tile_of's t % per_group // (its group's columns; the last group may be short)
+        return cost[t % per_group // np.minimum(columns - t // per_group * head_group, head_group)]
+
+    return balanced_programs(num_n * columns, sms, cost_of)
 
 
 def semaphores(dq_sem, device):

@@ -633,20 +633,21 @@ def programs(num_tiles: int, seqlen_q: int, seqlen_k: int, causal: bool, block_m
     m0 = np.arange(num_m)[::-1] * block_m if causal else np.zeros(num_m, dtype=np.int64)  # tile t's rows: t % num_m
     hi = np.minimum(seqlen_k, m0 + block_m + seqlen_k - seqlen_q) if causal else np.full(num_m, seqlen_k)
     cost = np.maximum(-(-hi // block_n), 1) + 1.0
-    return balanced_programs(cost[np.arange(num_tiles) % num_m], sms)
+    return balanced_programs(num_tiles, sms, lambda t: cost[t % num_m])
 
 
-def balanced_programs(cost, sms: int) -> int:
-    """The program count of a persistent launch whose tiles cost ``cost`` (in launch order): programs take laps of
-    tiles, odd full laps reversed (``snake``); of ``3/4 sms ... sms`` programs this picks the count whose busiest
-    program has the least work, ties to the most programs. Past 64 laps the count is ``sms``: the tail is a small
-    share."""
-    num_tiles = len(cost)
+def balanced_programs(num_tiles: int, sms: int, cost) -> int:
+    """The program count of a persistent launch of ``num_tiles`` tiles, tile ``t`` (in launch order, an array)
+    costing ``cost(t)``: programs take laps of tiles, odd full laps reversed (``snake``); of ``3/4 sms ... sms``
+    programs this picks the count whose busiest program has the least work, ties to the most programs. Where the
+    tiles fit, one program each; past 64 laps the count is ``sms`` (the tail is a small share), and ``cost`` is not
+    called."""
     if num_tiles <= sms or num_tiles > 64 * sms:
         return min(num_tiles, sms)
     t = np.arange(num_tiles)
+    cost = cost(t)
     best, best_load = sms, None
-    for count in range(sms, (3 * sms) // 4 - 1, -1):
+    for count in range(sms, max(1, (3 * sms) // 4) - 1, -1):
         lap, pos = t // count, t % count
         mirror = (lap % 2 == 1) & ((lap + 1) * count <= num_tiles)
         taken = np.where(mirror, lap * count + count - 1 - pos, t)
