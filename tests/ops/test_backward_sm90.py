@@ -363,8 +363,9 @@ def test_kernel_compiles_for_sm90():
     tile) and its float32 TMA reduce-adds; dq_ordered the writer warp's acquiring counter loads and releasing adds,
     and the 2-D TMA store of a row tile's first turn (and the same matmuls, in either causal launch order); dK and
     dV by TMA stores from 64-row tiles at d = 64 and 128 into outputs of q's dtype, from registers at d = 256, from
-    128-row tiles and into float32 outputs; the fused tiles of d = 128 non-causal (``early_dv``, BWD_EARLY_DV) wait for Sᵀ with
-    dPᵀ still in flight, no other tile does; persistent tiles (the last three cases) the same matmuls and stores."""
+    128-row tiles and into float32 outputs; the fused tiles of d = 128 non-causal (``early_dv``, BWD_EARLY_DV) wait
+    for Sᵀ with dPᵀ still in flight, no other tile does; persistent tiles (the last three cases) the same matmuls
+    and stores."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,

@@ -26,11 +26,12 @@ float16/bfloat16, equal head dims (64, 128 or 256), TMA-able strides; ``backward
 ``bwd_config`` picks a ``gluon`` dK/dV tile.
 
 A ``persistent`` tile launches at most one program per SM (``programs``: of 3/4 of the SMs to all of them, the count
-whose busiest program has the least work), each taking key blocks in turn in the forward's snake order (``_key_block``). The producer loads the next
-block's first row tiles while the consumers finish the last block's dK and dV, then its K and V once they have
-released theirs (``kv_empty``); the Q/dO ring and the dSᵀ buffers run on across blocks. Each partition's per-block
-work is one function (``_producer_block``, ``_consumer_block``, ``_consumer_split_block``), called once where a
-program owns one block: a loop around it there cost the ordered dQ 2-3 % (NOTES v22).
+whose busiest program has the least work), each taking key blocks in turn in the forward's snake order
+(``_key_block``). The producer loads the next block's first row tiles while the consumers finish the last block's
+dK and dV, then its K and V once they have released theirs (``kv_empty``); the Q/dO ring and the dSᵀ buffers run on
+across blocks. Each partition's per-block work is one function (``_producer_block``, ``_consumer_block``,
+``_consumer_split_block``), called once where a program owns one block: a loop around it there cost the ordered dQ
+2-3 % (NOTES v22).
 
 With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
 issues dQ = dS K for half of dQ's columns over all 128 keys behind that tile's dV and dK, and adds the result into
