@@ -10,8 +10,8 @@ Points are ``d:causal:N`` on the bench grid (bf16, H = 2048 / d, B = 16384 / N).
 takes ``triton.testing.do_bench_cudagraph``'s mean of graph replays (as NOTES v22's sweeps did) over the launchers
 (``ops.forward.forward`` / ``ops.backward.backward`` with the table's config), once; ``--timing bench`` takes the
 bench's own measurement (``bench.prefill._timed``: autograd after a GPU warm-up, ``do_bench``), ``--repeat`` times,
-which is where the rows' spread between runs shows. ``--det`` picks the backward's deterministic setting (the ``onlineattn`` provider is
-deterministic, ``onlineattn-nondet`` is not).
+which is where the rows' spread between runs shows. ``--det`` picks the backward's deterministic setting (the
+``onlineattn`` provider is deterministic, ``onlineattn-nondet`` is not).
 """
 
 from __future__ import annotations
