@@ -30,8 +30,7 @@ whose busiest program has the least work), each taking key blocks in turn in the
 (``_key_block``). The producer loads the next block's first row tiles while the consumers finish the last block's
 dK and dV, then its K and V once they have released theirs (``kv_empty``); the Q/dO ring and the dSᵀ buffers run on
 across blocks. Each partition's per-block work is one function (``_producer_block``, ``_consumer_block``,
-``_consumer_split_block``), called once where a program owns one block: a loop around it there cost the ordered dQ
-2-3 % (NOTES v22).
+``_consumer_split_block``) that ``_blocks`` calls per key block.
 
 With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
 issues dQ = dS K for half of dQ's columns over all 128 keys behind that tile's dV and dK, and adds the result into
@@ -215,6 +214,21 @@ def _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, tile):
 
 
 @gluon.jit
+def _blocks(block: gl.constexpr, args, num_tiles, tile):
+    """A partition's key blocks: ``block(tid, it, n, args, tile)`` for key block ``pid``, or with PERSISTENT for
+    ``pid, pid + programs, ...`` (its ``n``-th, its row tiles from the ``it``-th, which it returns advanced). Called
+    once where a program owns one block: a loop around it there cost the ordered dQ 2-3 % (NOTES v22)."""
+    if tile.PERSISTENT:
+        it = 0
+        n = 0
+        for tid in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+            it = block(tid, it, n, args, tile)
+            n += 1
+    else:
+        block(gl.program_id(0), 0, 0, args, tile)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty,
               ready, empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, LSE, DELTA, stride_lb, stride_lh,
               tile):
@@ -224,26 +238,17 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
     group and rows: ``_row_tile``; ``it`` counts them across blocks) brings Q and dO by TMA and the rows' lse (base 2,
     +inf where a row saw no key, so P = 0 there and past the last row) and delta into stage ``it % STAGES``, once
     both consumers released it."""
-    if tile.PERSISTENT:  # key blocks pid, pid + programs, ...
-        it = 0
-        n = 0
-        for tid in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            it = _producer_block(tid, it, n, q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem,
-                                 lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, seqlen_q, seqlen_k, heads_kv,
-                                 head_group, num_tiles, LSE, DELTA, stride_lb, stride_lh, tile)
-            n += 1
-    else:  # one key block a program
-        _producer_block(gl.program_id(0), 0, 0, q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem,
-                        lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, seqlen_q, seqlen_k, heads_kv, head_group,
-                        num_tiles, LSE, DELTA, stride_lb, stride_lh, tile)
+    _blocks(_producer_block, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
+             kv_bar, kv_empty, ready, empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, LSE, DELTA,
+             stride_lb, stride_lh), num_tiles, tile)
 
 
 @gluon.jit
-def _producer_block(tid, it, n, q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-                    kv_bar, kv_empty, ready, empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, LSE, DELTA,
-                    stride_lb, stride_lh, tile):
+def _producer_block(tid, it, n, args, tile):
     """_producer's key block ``tid``, the program's ``n``-th, its row tiles from the program's ``it``-th;
     returns the next block's ``it``."""
+    (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready,
+     empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, LSE, DELTA, stride_lb, stride_lh) = args
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group,
                                                                  num_tiles, tile)
     n_tiles = row_tiles * tile.GROUP
@@ -296,30 +301,19 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_
     warpgroups are done reading them), else from registers (``_store_dkdv``, after releasing K and V). With
     FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to the float32
     accumulator (unscaled) by TMA reduces, one row tile behind (ORDERED: staged for the writer warp, _dq_writer)."""
-    if tile.PERSISTENT:  # key blocks pid, pid + programs, ...
-        it = 0
-        n = 0
-        for tid in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            it = _consumer_block(tid, it, n, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty,
-                                 ready, empty, ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, seqlen_q,
-                                 seqlen_k, heads_kv, head_group, num_tiles, dk_desc, dv_desc, DQ, dq_rows, DK, DV,
-                                 stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale,
-                                 sm_scale, tile)
-            n += 1
-    else:  # one key block a program
-        _consumer_block(gl.program_id(0), 0, 0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar,
-                        kv_empty, ready, empty, ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, seqlen_q,
-                        seqlen_k, heads_kv, head_group, num_tiles, dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb,
-                        stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale, tile)
+    _blocks(_consumer_block, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty,
+             ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, seqlen_q, seqlen_k, heads_kv, head_group,
+             num_tiles, dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb,
+             stride_dvs, stride_dvh, qk_scale, sm_scale), num_tiles, tile)
 
 
 @gluon.jit
-def _consumer_block(tid, it, n, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty,
-                    ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, seqlen_q, seqlen_k, heads_kv,
-                    head_group, num_tiles, dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh,
-                    stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale, tile):
+def _consumer_block(tid, it, n, args, tile):
     """_consumer's key block ``tid``, the program's ``n``-th, its row tiles from the program's ``it``-th;
     returns the next block's ``it``."""
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_smem, ds_ready, ds_free,
+     dq_smem, dq_full, dq_empty, done, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, dk_desc, dv_desc, DQ,
+     dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale) = args
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     STAGES: gl.constexpr = tile.STAGES
@@ -439,29 +433,19 @@ def _consumer_split(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_ba
     of Pᵀ and dSᵀ to shared memory, and once both warpgroups have, adds its columns of dV = Pᵀ dO and dK = dSᵀ Q over
     all 64 rows (two [64 keys, 32 rows] halves each). "pd_ready" counts the halves written, "pd_free" the
     warpgroups done reading them. dK and dV leave from registers, after K and V are released."""
-    if tile.PERSISTENT:  # key blocks pid, pid + programs, ...
-        it = 0
-        n = 0
-        for tid in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            it = _consumer_split_block(tid, it, n, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar,
-                                       kv_empty, ready, empty, p_smem, dst_smem, pd_ready, pd_free, seqlen_q, seqlen_k,
-                                       heads_kv, head_group, num_tiles, DK, DV, stride_dkb, stride_dks, stride_dkh,
-                                       stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale, tile)
-            n += 1
-    else:  # one key block a program
-        _consumer_split_block(gl.program_id(0), 0, 0, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar,
-                              kv_empty, ready, empty, p_smem, dst_smem, pd_ready, pd_free, seqlen_q, seqlen_k,
-                              heads_kv, head_group, num_tiles, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb,
-                              stride_dvs, stride_dvh, qk_scale, sm_scale, tile)
+    _blocks(_consumer_split_block, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready,
+             empty, p_smem, dst_smem, pd_ready, pd_free, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, DK, DV,
+             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale),
+            num_tiles, tile)
 
 
 @gluon.jit
-def _consumer_split_block(tid, it, n, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready,
-                          empty, p_smem, dst_smem, pd_ready, pd_free, seqlen_q, seqlen_k, heads_kv, head_group,
-                          num_tiles, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-                          qk_scale, sm_scale, tile):
+def _consumer_split_block(tid, it, n, args, tile):
     """_consumer_split's key block ``tid``, the program's ``n``-th, its row tiles from the program's ``it``-th;
     returns the next block's ``it``."""
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, p_smem, dst_smem, pd_ready,
+     pd_free, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, DK, DV, stride_dkb, stride_dks, stride_dkh,
+     stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale) = args
     D: gl.constexpr = tile.HEAD_DIM
     HALF_D: gl.constexpr = D // 2
     BLOCK_M: gl.constexpr = tile.BLOCK_M
