@@ -29,8 +29,10 @@ A ``persistent`` tile launches at most one program per SM (``programs``: of 3/4 
 whose busiest program has the least work), each taking key blocks in turn in the forward's snake order
 (``_key_block``). The producer loads the next block's first row tiles while the consumers finish the last block's
 dK and dV, then its K and V once they have released theirs (``kv_empty``); the Q/dO ring and the dSᵀ buffers run on
-across blocks. Each partition's per-block work is one function (``_producer_block``, ``_consumer_block``,
-``_consumer_split_block``) that ``_blocks`` calls per key block.
+across blocks. A persistent fused-dQ tile stages its dK/dV stores in the dSᵀ and dQ buffers instead of K and V
+(``_early_dkdv``), so K and V are released before the stores and the next block's load runs under them. Each
+partition's per-block work is one function (``_producer_block``, ``_consumer_block``, ``_consumer_split_block``) that
+``_blocks`` calls per key block.
 
 With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
 issues dQ = dS K for half of dQ's columns over all 128 keys behind that tile's dV and dK, and adds the result into
@@ -99,6 +101,7 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     delta_smem = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_M], plain)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     done = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both warpgroups past every tile
+    staged = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # both dK/dV stores read (_early)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # With FUSED_DQ: both warpgroups' dSᵀ of a row tile ([128 keys, BLOCK_M rows], two buffers), for dQ = dS K over
@@ -121,6 +124,7 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     mbarrier.init(kv_bar, count=1)
     mbarrier.init(kv_empty, count=2)  # one arrival per consumer warpgroup
     mbarrier.init(done, count=2)
+    mbarrier.init(staged, count=2)
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=2)  # the copies' expect-tx arrival, then the row statistics' one
         mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
@@ -146,7 +150,7 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
              gl.to_tensor(num_tiles))
     dq_rows = gl.to_tensor(dq_rows)
     outs = (DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale)
-    consumer = smem + (ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done) + shape + (
+    consumer = smem + (ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, staged) + shape + (
         dk_desc, dv_desc, DQ, dq_rows) + outs
     loads = (q_desc, k_desc, v_desc, do_desc) + smem + shape + (LSE, DELTA, stride_lb, stride_lh, Tile(
         0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED, LAST_BLOCK_FIRST=LAST_BLOCK_FIRST,
@@ -293,18 +297,19 @@ def _load_rows(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, em
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_smem, ds_ready,
-              ds_free, dq_smem, dq_full, dq_empty, done, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles,
+              ds_free, dq_smem, dq_full, dq_empty, done, staged, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles,
               dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
               stride_dvh, qk_scale, sm_scale, tile):
     """One warpgroup, per key block: its 64 keys' dK and dV over every row tile of the group, then stored (dK times
     the scale): by TMA with TMA_OUT (``_store_dkdv_tma``, staged in this warpgroup's K and V rows once both
-    warpgroups are done reading them), else from registers (``_store_dkdv``, after releasing K and V). With
-    FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over the block's 128 keys, added to the float32
-    accumulator (unscaled) by TMA reduces, one row tile behind (ORDERED: staged for the writer warp, _dq_writer)."""
+    warpgroups are done reading them; persistent with FUSED_DQ, ``_early_dkdv``), else from registers
+    (``_store_dkdv``, after releasing K and V). With FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over
+    the block's 128 keys, added to the float32 accumulator (unscaled) by TMA reduces, one row tile behind (ORDERED:
+    staged for the writer warp, _dq_writer)."""
     _blocks(_consumer_block, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty,
-             ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, seqlen_q, seqlen_k, heads_kv, head_group,
-             num_tiles, dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb,
-             stride_dvs, stride_dvh, qk_scale, sm_scale), num_tiles, tile)
+             ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, staged, seqlen_q, seqlen_k, heads_kv,
+             head_group, num_tiles, dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh,
+             stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale), num_tiles, tile)
 
 
 @gluon.jit
@@ -312,8 +317,9 @@ def _consumer_block(tid, it, n, args, tile):
     """_consumer's key block ``tid``, the program's ``n``-th, its row tiles from the program's ``it``-th;
     returns the next block's ``it``."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_smem, ds_ready, ds_free,
-     dq_smem, dq_full, dq_empty, done, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, dk_desc, dv_desc, DQ,
-     dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale) = args
+     dq_smem, dq_full, dq_empty, done, staged, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, dk_desc, dv_desc,
+     DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale,
+     sm_scale) = args
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     STAGES: gl.constexpr = tile.STAGES
@@ -412,9 +418,13 @@ def _consumer_block(tid, it, n, args, tile):
     if tile.TMA_OUT:  # K and V are free once both warpgroups are past the block's last matmul
         mbarrier.arrive(done, count=1)
         mbarrier.wait(done, n & 1)
-        _store_dkdv_tma(dk * sm_scale, dv, dk_desc, dv_desc, k, v, k_smem.slice(tile.WG * 64, 64, dim=1),
-                        v_smem.slice(tile.WG * 64, 64, dim=1), off_b, off_hkv, key0)
-        mbarrier.arrive(kv_empty, count=1)
+        if tile.PERSISTENT and tile.FUSED_DQ:  # released before the stores: the next block's K and V load under them
+            mbarrier.arrive(kv_empty, count=1)
+            _early_dkdv(dk * sm_scale, dv, dk_desc, dv_desc, ds_smem, dq_smem, staged, n, off_b, off_hkv, key0, tile)
+        else:
+            _store_dkdv_tma(dk * sm_scale, dv, dk_desc, dv_desc, k, v, k_smem.slice(tile.WG * 64, 64, dim=1),
+                            v_smem.slice(tile.WG * 64, 64, dim=1), off_b, off_hkv, key0)
+            mbarrier.arrive(kv_empty, count=1)
     else:
         mbarrier.arrive(kv_empty, count=1)
         cols = gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout))
@@ -534,6 +544,30 @@ def _store_dkdv_tma(dk, dv, dk_desc, dv_desc, k_rows, v_rows, k_box, v_box, off_
     tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hkv, 0], k_box)
     tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hkv, 0], v_box)
     tma.store_wait(0)
+
+
+@gluon.jit
+def _early_dkdv(dk, dv, dk_desc, dv_desc, ds_smem, dq_smem, staged, n, off_b, off_hkv, key0, tile):
+    """A persistent fused-dQ program's dK (scaled) and dV of its ``n``-th block by TMA stores staged in the dSᵀ
+    buffers (warpgroup 0) or the dQ staging buffers (warpgroup 1): both are free once both warpgroups are past the
+    block's last dQ product and its reduce has read its buffer (``done``), so K and V are released before the
+    stores and the next block's load runs under them. Returns once both warpgroups' stores have read their buffers
+    (``staged``): the next block's first dSᵀ and dQ tiles reuse them."""
+    D: gl.constexpr = tile.HEAD_DIM
+    dtype: gl.constexpr = dk_desc.dtype
+    gl.static_assert(tile.BLOCK_N * tile.BLOCK_M >= 64 * D and tile.BLOCK_M >= 64, "dK/dV fit the staging buffers")
+    if tile.WG == 0:
+        bufs = ds_smem._reinterpret(dtype, [2, 1, 64, 1, D], dk_desc.layout)
+    else:
+        bufs = dq_smem._reinterpret(dtype, [2, 1, 64, 1, D], dk_desc.layout)
+    bufs.index(0).reshape([64, D]).store(dk.to(dtype))
+    bufs.index(1).reshape([64, D]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hkv, 0], bufs.index(0))
+    tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hkv, 0], bufs.index(1))
+    tma.store_wait(0)
+    mbarrier.arrive(staged, count=1)
+    mbarrier.wait(staged, n & 1)
 
 
 @gluon.jit
