@@ -15,7 +15,7 @@ from tests.ops.test_forward import _check, _check_rows, _inputs, _run_poisoned
 from onlineattn._mods import PLAIN
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import (
-    _FWD_WS, _FWD_WS_SHORT, WS_CAUSAL_PERSISTENT_BELOW, WS_MIN_KEYS, WS_SHORT_KEYS, fwd_config,
+    _FWD_WS, _FWD_WS_SHORT, LAZY_RESCALE_FROM, WS_CAUSAL_PERSISTENT_BELOW, WS_MIN_KEYS, WS_SHORT_KEYS, fwd_config,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,9 +28,9 @@ def test_table_routes_plain_half_d64_d128_d256():
     """d = 64, 128 and 256 in half precision from WS_MIN_KEYS rows and keys (per mask), causal launches persistent
     below WS_CAUSAL_PERSISTENT_BELOW and one program per tile from it, and with both lengths in WS_SHORT_KEYS the
     tile of _FWD_WS_SHORT where it has one; never without ws_ok, variants, for other head dims, unequal head dims,
-    float32 or an unknown length."""
-    pick = lambda d=128, dv=None, dtype=torch.bfloat16, causal=False, sk=4096, **kw: fwd_config(  # noqa: E731
-        d, dv or d, dtype, causal, "cuda", seqlen_q=sk, seqlen_k=sk, **{"ws_ok": True, **kw})
+    float32 or an unknown length. (Lazy rescaling, a length's choice too, is left to the next test.)"""
+    pick = lambda d=128, dv=None, dtype=torch.bfloat16, causal=False, sk=4096, **kw: replace(fwd_config(  # noqa: E731
+        d, dv or d, dtype, causal, "cuda", seqlen_q=sk, seqlen_k=sk, **{"ws_ok": True, **kw}), lazy_rescale=False)
     for d in (64, 128, 256):
         for causal in (False, True):
             least = max(WS_MIN_KEYS[d][causal], WS_SHORT_KEYS[1] if (d, causal) in _FWD_WS_SHORT else 0)
@@ -66,6 +66,19 @@ def test_table_routes_plain_half_d64_d128_d256():
     for other in (pick(dv=64, sk=16384), pick(d=96, sk=16384), pick(d=32, sk=16384), pick(d=256, dv=128, sk=16384)):
         assert not other.gluon
     assert not fwd_config(128, 128, torch.float32, False, "cuda", seqlen_k=16384, ws_ok=True).gluon
+
+
+def test_table_rescales_lazily_from_its_lengths():
+    """The Gluon tile keeps stale row maxima (lazy_rescale) from LAZY_RESCALE_FROM's keys for its (d, mask), and
+    never for the others or off the Gluon kernel."""
+    assert LAZY_RESCALE_FROM == {(128, True): 4096, (256, False): 1024, (256, True): 4096}
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            start = LAZY_RESCALE_FROM.get((d, causal))
+            for n in (512, 1023, 1024, 4095, 4096, 16384, 65536):
+                cfg = fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=n, seqlen_k=n, ws_ok=True)
+                assert cfg.lazy_rescale == (cfg.gluon and start is not None and n >= start), (d, causal, n)
+                assert not fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=n, seqlen_k=n).lazy_rescale
 
 
 def test_gluon_tile_is_refused_where_it_cannot_run():
@@ -167,12 +180,13 @@ from onlineattn.ops import forward_sm90
 from dataclasses import replace
 from onlineattn.ops._configs import _FWD_WS, _FWD_WS_SHORT
 bf16 = torch.bfloat16
-for d, causal, dtype, q_stages, sk, short in (
-        (128, False, bf16, 1, 300, 0), (128, True, torch.float16, 1, 300, 0), (64, True, bf16, 1, 300, 0),
-        (256, False, bf16, 1, 300, 0), (128, True, bf16, 2, 300, 0), (128, True, bf16, 1, 301, 0),
-        (64, True, bf16, 1, 301, 0), (64, False, bf16, 2, 300, 0), (128, True, bf16, 1, 300, 1),
-        (64, True, bf16, 1, 301, 1)):
+for d, causal, dtype, q_stages, sk, short, lazy in (
+        (128, False, bf16, 1, 300, 0, 0), (128, True, torch.float16, 1, 300, 0, 0), (64, True, bf16, 1, 300, 0, 0),
+        (256, False, bf16, 1, 300, 0, 0), (128, True, bf16, 2, 300, 0, 0), (128, True, bf16, 1, 301, 0, 0),
+        (64, True, bf16, 1, 301, 0, 0), (64, False, bf16, 2, 300, 0, 0), (128, True, bf16, 1, 300, 1, 0),
+        (64, True, bf16, 1, 301, 1, 0), (128, True, bf16, 1, 300, 0, 1), (256, True, bf16, 1, 301, 0, 1)):
     cfg = _FWD_WS_SHORT[d, causal] if short else replace(_FWD_WS[causal][d], q_stages=q_stages)
+    cfg = replace(cfg, lazy_rescale=bool(lazy))
     q = torch.randn(2, 300, 8, d, dtype=dtype)
     k = torch.randn(2, sk, 2, d, dtype=dtype)
     o, lse = torch.empty_like(q), torch.empty(2, 8, 300)
@@ -196,7 +210,8 @@ def test_kernel_compiles_for_sm90():
     (warpgroup 0's skip adds none). Causal with Sq = Sk at 128-key blocks (HALF_DIAG), warpgroup 0's two tile ends
     each add the half-width step (a QKᵀ of the head dim's k-steps over 64 keys and a whole P·V, ``_half_block``)
     and take their last P·V over 64 keys (4 k-steps, not 8): 24 more wgmma at d = 128 (152) and 16 at d = 64
-    (112); with Sk = Sq + 1 (the diagonal off a block boundary) causal compiles without it. Also the partitions'
+    (112); with Sk = Sq + 1 (the diagonal off a block boundary) causal compiles without it. The last two cases
+    rescale lazily (``lazy_rescale``: the same matmuls). Also the partitions'
     register split, and Q (one buffer, or two at
     d = 128), the table's K/V stages and the two O staging buffers (64 rows by up to 128 columns each) within
     shared memory."""
@@ -207,7 +222,8 @@ def test_kernel_compiles_for_sm90():
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split()
     cases = ((128, "False", 300), (128, "True", 300), (64, "True", 300), (256, "False", 300), (128, "True", 300),
-             (128, "True", 301), (64, "True", 301), (64, "False", 300), (128, "True", 300), (64, "True", 301))
+             (128, "True", 301), (64, "True", 301), (64, "False", 300), (128, "True", 300), (64, "True", 301),
+             (128, "True", 300), (256, "True", 301))
     assert len(lines) == len(cases) * 9, out.stdout
     for i, (d, causal, keys) in enumerate(cases):
         head, flag, sk, wgmma, setmaxnreg, shared, stages, block_n, q_stages = lines[9 * i: 9 * i + 9]
@@ -247,6 +263,33 @@ def test_matches_oracle(shape, persistent, causal, dtype, d):
     b, sq, sk, hq, hkv = shape
     q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, dtype, seed=sum(shape) + causal + d, device="cuda")
     o, lse = _run_poisoned(q, k, v, causal, config=replace(_FWD_WS[causal][d], persistent=persistent))
+    _check(q, k, v, causal, o, lse)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
+@pytest.mark.parametrize("lazy", [False, True], ids=["rescale", "lazy"])
+def test_rows_whose_max_jumps_keep_or_move_it(lazy, persistent, causal, d):
+    """Scores that climb or fall along the keys, 32 keys at a time, by -6, 1, 4 or 12 (base-2 units) times a slope
+    per row (0.2 ... 1.5). With ``lazy_rescale`` a row keeps its running max until a score passes it by 2^8
+    (``_softmax``), so rows take new maxima and keep stale ones in the same block, P reaches up to 2^8, and
+    warpgroups rescale O in some blocks and not others. Either way the result meets the §3 rule against the
+    float64 oracle."""
+    b, sq, sk, hq, hkv = 2, 384, 1000, 4, 2
+    g = torch.Generator().manual_seed(d + causal)
+    steps = torch.tensor([-6.0, 1.0, 4.0, 12.0])[torch.randint(0, 4, (sk // 32 + 1,), generator=g)]
+    level = torch.cumsum(steps, 0).repeat_interleave(32)[:sk]  # a row of slope 1 scores about this (base 2)
+    slope = torch.linspace(0.2, 1.5, sq)
+    unit = 1.0 / (1.4426950408889634 * d ** 0.5)  # q·k · d^-0.5 · log2(e) = slope · level for q = slope · unit
+    q = (slope[:, None] + 0.05 * torch.randn(b, sq, hq, d, generator=g).transpose(1, 2)).transpose(1, 2) * unit
+    k = (level[:, None] + 0.05 * torch.randn(b, sk, hkv, d, generator=g).transpose(1, 2)).transpose(1, 2)
+    v = torch.randn(b, sk, hkv, d, generator=g)
+    q, k, v = (x.contiguous().to(device="cuda", dtype=torch.bfloat16) for x in (q, k, v))
+    config = replace(_FWD_WS[causal][d], persistent=persistent, lazy_rescale=lazy)
+    o, lse = _run_poisoned(q, k, v, causal, config=config)
     _check(q, k, v, causal, o, lse)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,6 +22,8 @@ class FwdConfig:
     #                      warpgroups of num_warps = 4, num_stages K/V stages filled by a producer warp
     persistent: bool = False  # gluon only: one program per SM looping over the tiles
     q_stages: int = 1  # gluon only: Q buffers (2: the next tile's Q loads while this tile's blocks run)
+    lazy_rescale: bool = False  # gluon only: rows keep their running max until a score passes it by 2^8, and O is
+    #                             rescaled only in blocks where a row of the warpgroup took a new one
 
 
 # Interpreter runs (CPU tensors, TRITON_INTERPRET=1): bigger tiles mean fewer Python-level programs; stages and warps
@@ -159,6 +162,15 @@ WS_SHORT_KEYS = (512, 1024)
 _WS_CAUSAL_SHORT = FwdConfig(128, 64, 4, 3, tma=True, gluon=True, persistent=True)
 _FWD_WS_SHORT = {(64, True): _WS_CAUSAL_SHORT, (128, True): _WS_CAUSAL_SHORT}
 WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 16384, 256: 16384}
+# - Lazy rescale (session 31, NOTES v23, .devrun/fsweep31.py, the table's tile with lazy_rescale off / on, CUDA-graph
+#   means, two passes each, TFLOP/s at N = 512 / 1024 / 2048 / 4096 / 8192 / 16384):
+#   - d = 256 non-causal 490 / 561 / 603 / 627 / - / 642 -> 490 / 567 / 615 / 638 / - / 656; causal 351 / 460 / 539 /
+#     589 / 616 / 631 -> 342 / 454 / 539 / 595 / 628 / 680;
+#   - d = 128 causal 314 / 423 / 502 / 549 / 574 / 599 -> 305 / 422 / 504 / 560 / 592 / 613; non-causal lost 0.6-1.4 %
+#     at every length (463 / 529 / 572 / 596 / - / 612 -> 459 / 523 / 565 / 589 / - / 609), d = 64 1.6-6 %.
+#   The skipped rescale (64 · D float32 multiplies a warpgroup per block) pays for the warpgroup-wide test of the
+#   rows' maxima (a cross-warp reduction) where D is large or the rows see many blocks. Keyed by (d, causal): keys.
+LAZY_RESCALE_FROM = {(128, True): 4096, (256, False): 1024, (256, True): 4096}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or with Sq <= 512 where the
 #                                              Gluon kernel does not take the call (above)
 
@@ -196,7 +208,11 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
             (head_dim, causal) in _FWD_WS_SHORT):
         return _FWD_WS_SHORT[head_dim, causal]
     if ws is not None and shortest >= WS_MIN_KEYS[head_dim][causal]:
-        return replace(ws, persistent=True) if causal and shortest < WS_CAUSAL_PERSISTENT_BELOW[head_dim] else ws
+        if causal and shortest < WS_CAUSAL_PERSISTENT_BELOW[head_dim]:
+            ws = replace(ws, persistent=True)
+        if (seqlen_k or 0) >= LAZY_RESCALE_FROM.get((head_dim, causal), math.inf):
+            ws = replace(ws, lazy_rescale=True)
+        return ws
     if padded == 256 and (variants or not tma_ok or (seqlen_q is not None and seqlen_q <= 512)):
         return _FWD_D256_SMALL
     if padded in _FWD_LONG[causal] and not variants and seqlen_k is not None and seqlen_k >= PIPELINE_MIN_KEYS:

@@ -8,6 +8,9 @@ keeps its own online-softmax state (m, l, acc) and, for block j, issues QKᵀ_j,
 QKᵀ_j only and runs block j's softmax while the tensor cores still add the previous block (P stays in registers as
 wgmma's A operand). The two warpgroups also overlap each other's softmax with their matmuls. Each consumer
 writes its rows of O through a shared-memory staging buffer by TMA stores that run on under its next tile.
+With ``lazy_rescale`` (``LAZY_RESCALE_FROM``: where it measured faster) a row keeps its running max until a score
+passes it by 2^8, and a warpgroup rescales its O only in blocks where one of its rows took a new max (``_step``);
+l and O share the stale max, so the result is exact (P reaches up to 2^8, well inside bf16/fp16's range).
 
 Under causal, when the diagonal falls on a 128-key block boundary (``half_diagonal``; 128-key blocks: d = 64 and 128
 outside the short causal tile, which like d = 256 runs 64-key blocks), warpgroup 0's rows see only
@@ -68,11 +71,12 @@ class Tile:
     EARLY_DV: gl.constexpr  # the dK/dV kernel: Sᵀ waited for alone, dV issued before dPᵀ is (BwdTile.early_dv)
     LAST_BLOCK_FIRST: gl.constexpr  # the dK/dV kernel: key blocks from the last (BwdTile.last_block_first)
     PERSISTENT: gl.constexpr  # the dK/dV kernel: programs loop over key blocks (BwdTile.persistent)
+    LAZY_RESCALE: gl.constexpr  # the forward: a row keeps its running max until a score passes it by 2^8 (_softmax)
 
     @gluon.constexpr_function
     def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False, ORDERED=False,
                  Q_STAGES=1, TMA_OUT=False, HALF_DIAG=False, EARLY_DV=False, LAST_BLOCK_FIRST=False,
-                 PERSISTENT=False):
+                 PERSISTENT=False, LAZY_RESCALE=False):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -88,6 +92,7 @@ class Tile:
         self.EARLY_DV = gl.constexpr(EARLY_DV)
         self.LAST_BLOCK_FIRST = gl.constexpr(LAST_BLOCK_FIRST)
         self.PERSISTENT = gl.constexpr(PERSISTENT)
+        self.LAZY_RESCALE = gl.constexpr(LAZY_RESCALE)
 
 
 @gluon.jit
@@ -95,9 +100,10 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
                               seqlen_q, seqlen_k, heads_q, group, qk_scale, num_tiles,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_STAGES: gl.constexpr,
-                              HALF_DIAG: gl.constexpr):
+                              HALF_DIAG: gl.constexpr, LAZY_RESCALE: gl.constexpr):
     """Programs take tiles ``pid, pid + programs, ...`` of ``num_tiles`` (one each when the grid covers them all).
-    With ``HALF_DIAG`` warpgroup 0 takes each tile's diagonal block at half width (``_half_end``)."""
+    With ``HALF_DIAG`` warpgroup 0 takes each tile's diagonal block at half width (``_half_end``); with
+    ``LAZY_RESCALE`` rows keep their running max until a score passes it by 2^8 (``_softmax``)."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -133,8 +139,9 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
     consumer = smem + shape + (o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale)
     gl.warp_specialize([
         (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES,
-                                     HALF_DIAG=HALF_DIAG),)),
-        (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES),)),
+                                     HALF_DIAG=HALF_DIAG, LAZY_RESCALE=LAZY_RESCALE),)),
+        (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES,
+                                     LAZY_RESCALE=LAZY_RESCALE),)),
         (_producer, (q_desc, k_desc, v_desc) + smem + shape + (
             group, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES))),
     ], [4, 1], [240, 24])
@@ -350,12 +357,17 @@ def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s
     mbarrier.arrive(k_empty.index(stage), count=1)
     if RELEASE_Q:
         mbarrier.arrive(q_empty.index(n % tile.Q_STAGES), count=1, pred=j == n_blocks - 1)
+    m_old = m_i
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, seqlen_k, seqlen_k - seqlen_q, mask_from, qk_scale,
-                                  tile.CAUSAL, WIDTH, s_layout)
+                                  tile.CAUSAL, WIDTH, s_layout, tile.LAZY_RESCALE)
+    grown = 1
+    if tile.LAZY_RESCALE:  # O is rescaled only where a row of the warpgroup took a new max
+        grown = gl.max((m_i > m_old).to(gl.int32), axis=0)
     # p among the deps keeps this wait after the softmax in the generated code.
     acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
     mbarrier.arrive(v_empty.index(prev), count=1)
-    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    if grown > 0:
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     return p, m_i, l_i, acc
 
 
@@ -529,9 +541,11 @@ def _store_o(o, o_desc, buf, off_b, row0, off_h):
 
 @gluon.jit
 def _softmax(s, m_i, l_i, start_n, rows, seqlen_k, diag, mask_from, qk_scale, CAUSAL: gl.constexpr,
-             BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+             BLOCK_N: gl.constexpr, s_layout: gl.constexpr, LAZY: gl.constexpr = False):
     """One block's raw scores -> (p, m, l, alpha) in the base-2 frame (``qk_scale`` = scale · log2 e > 0). Only
-    blocks reaching past ``mask_from`` are masked: keys past the end and, under causal, past the diagonal."""
+    blocks reaching past ``mask_from`` are masked: keys past the end and, under causal, past the diagonal. With
+    ``LAZY`` a row keeps its max until a score passes it by 2^8: P then reaches up to 2^8 and alpha stays 1, which
+    lets ``_step`` skip O's rescale in most blocks; l and O share the max, so o = O / l and lse are exact."""
     if start_n + BLOCK_N > mask_from:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if CAUSAL:  # one comparison per score: the key bound folded into each row's diagonal
@@ -540,6 +554,8 @@ def _softmax(s, m_i, l_i, start_n, rows, seqlen_k, diag, mask_from, qk_scale, CA
             keep = cols[None, :] < seqlen_k
         s = gl.where(keep, s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    if LAZY:
+        m_new = gl.where(m_new > m_i + 8.0, m_new, m_i)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf - 0) = 0, no NaN
     p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
@@ -612,7 +628,8 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False)
         *descriptors(q, k, v, o, cfg), lse, lse.stride(0), lse.stride(1),
         sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=causal,
-        Q_STAGES=cfg.q_stages, HALF_DIAG=half_diagonal(sq, sk, causal, cfg), num_warps=4,
+        Q_STAGES=cfg.q_stages, HALF_DIAG=half_diagonal(sq, sk, causal, cfg), LAZY_RESCALE=cfg.lazy_rescale,
+        num_warps=4,
     )
     return grid, kept
 
