@@ -433,8 +433,8 @@ def test_persistent_programs_take_many_key_blocks(shape, causal, d, fused, wide,
     blocks of other heads and batch entries, with row tiles of one head or of a GQA group; the last shape's 9
     (batch, kv head) columns go in causal head groups, bwd_head_group): dK and dV are bitwise those of one program
     per block (the same sums in the same order), dQ too where the dQ kernel computes it (else to float32's
-    summation order), and all meet the §3 rule. Stores by TMA (staged in K and V) and, into float32 outputs and at
-    d = 256, from registers."""
+    summation order), and all meet the §3 rule. Stores by TMA (staged in K and V, or with the fused dQ in the
+    dSᵀ/dQ buffers) and, into float32 outputs and at d = 256, from registers."""
     from onlineattn.ops import backward_sm90
 
     monkeypatch.setattr(backward_sm90, "_sm_count", lambda device: 3)

@@ -79,6 +79,10 @@ def test_table_rescales_lazily_from_its_lengths():
                 cfg = fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=n, seqlen_k=n, ws_ok=True)
                 assert cfg.lazy_rescale == (cfg.gluon and start is not None and n >= start), (d, causal, n)
                 assert not fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=n, seqlen_k=n).lazy_rescale
+    # Keyed by the keys a row may see: a short chunk over a long cache rescales lazily, long queries over few keys
+    # do not.
+    assert fwd_config(256, 256, torch.bfloat16, True, "cuda", seqlen_q=512, seqlen_k=8192, ws_ok=True).lazy_rescale
+    assert not fwd_config(256, 256, torch.bfloat16, True, "cuda", seqlen_q=8192, seqlen_k=512, ws_ok=True).lazy_rescale
 
 
 def test_gluon_tile_is_refused_where_it_cannot_run():
@@ -184,7 +188,7 @@ for d, causal, dtype, q_stages, sk, short, lazy in (
         (128, False, bf16, 1, 300, 0, 0), (128, True, torch.float16, 1, 300, 0, 0), (64, True, bf16, 1, 300, 0, 0),
         (256, False, bf16, 1, 300, 0, 0), (128, True, bf16, 2, 300, 0, 0), (128, True, bf16, 1, 301, 0, 0),
         (64, True, bf16, 1, 301, 0, 0), (64, False, bf16, 2, 300, 0, 0), (128, True, bf16, 1, 300, 1, 0),
-        (64, True, bf16, 1, 301, 1, 0), (128, True, bf16, 1, 300, 0, 1), (256, True, bf16, 1, 301, 0, 1)):
+        (64, True, bf16, 1, 301, 1, 0), (128, True, torch.float16, 1, 300, 0, 1), (256, False, bf16, 1, 300, 0, 1)):
     cfg = _FWD_WS_SHORT[d, causal] if short else replace(_FWD_WS[causal][d], q_stages=q_stages)
     cfg = replace(cfg, lazy_rescale=bool(lazy))
     q = torch.randn(2, 300, 8, d, dtype=dtype)
@@ -197,7 +201,7 @@ for d, causal, dtype, q_stages, sk, short, lazy in (
     forward_sm90.attention_fwd_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
     print(d, causal, sk, ptx.count("wgmma.mma_async"), ptx.count("setmaxnreg"), compiled[0].metadata.shared,
-          cfg.num_stages, cfg.block_n, cfg.q_stages)
+          cfg.num_stages, cfg.block_n, cfg.q_stages, ptx.count("bar.sync"))
 """
 
 
@@ -211,7 +215,8 @@ def test_kernel_compiles_for_sm90():
     each add the half-width step (a QKᵀ of the head dim's k-steps over 64 keys and a whole P·V, ``_half_block``)
     and take their last P·V over 64 keys (4 k-steps, not 8): 24 more wgmma at d = 128 (152) and 16 at d = 64
     (112); with Sk = Sq + 1 (the diagonal off a block boundary) causal compiles without it. The last two cases
-    rescale lazily (``lazy_rescale``: the same matmuls). Also the partitions'
+    rescale lazily (``lazy_rescale``): the same matmuls as the second and fourth, and more barriers (the
+    warpgroup-wide test of the rows' maxima, a reduction across warps). Also the partitions'
     register split, and Q (one buffer, or two at
     d = 128), the table's K/V stages and the two O staging buffers (64 rows by up to 128 columns each) within
     shared memory."""
@@ -223,10 +228,12 @@ def test_kernel_compiles_for_sm90():
     lines = out.stdout.split()
     cases = ((128, "False", 300), (128, "True", 300), (64, "True", 300), (256, "False", 300), (128, "True", 300),
              (128, "True", 301), (64, "True", 301), (64, "False", 300), (128, "True", 300), (64, "True", 301),
-             (128, "True", 300), (256, "True", 301))
-    assert len(lines) == len(cases) * 9, out.stdout
+             (128, "True", 300), (256, "False", 300))
+    assert len(lines) == len(cases) * 10, out.stdout
+    bars = lines[9::10]
+    assert int(bars[10]) > int(bars[1]) and int(bars[11]) > int(bars[3])  # lazy: the warpgroup-wide test per block
     for i, (d, causal, keys) in enumerate(cases):
-        head, flag, sk, wgmma, setmaxnreg, shared, stages, block_n, q_stages = lines[9 * i: 9 * i + 9]
+        head, flag, sk, wgmma, setmaxnreg, shared, stages, block_n, q_stages, _ = lines[10 * i: 10 * i + 10]
         assert int(sk) == keys
         half = {128: 24, 64: 16}[d] if causal == "True" and keys == 300 and block_n == "128" else 0  # HALF_DIAG
         assert (int(head), flag) == (d, causal) and int(wgmma) == 8 * (d // 16 + int(block_n) // 16) + half
@@ -272,22 +279,24 @@ def test_matches_oracle(shape, persistent, causal, dtype, d):
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
 @pytest.mark.parametrize("lazy", [False, True], ids=["rescale", "lazy"])
-def test_rows_whose_max_jumps_keep_or_move_it(lazy, persistent, causal, d):
+@pytest.mark.parametrize("sk,dtype", [(1000, torch.bfloat16), (1024, torch.float16)], ids=["1000-bf16", "1024-fp16"])
+def test_rows_whose_max_jumps_keep_or_move_it(sk, dtype, lazy, persistent, causal, d):
     """Scores that climb or fall along the keys, 32 keys at a time, by -6, 1, 4 or 12 (base-2 units) times a slope
     per row (0.2 ... 1.5). With ``lazy_rescale`` a row keeps its running max until a score passes it by 2^8
     (``_softmax``), so rows take new maxima and keep stale ones in the same block, P reaches up to 2^8, and
     warpgroups rescale O in some blocks and not others. Either way the result meets the §3 rule against the
-    float64 oracle."""
-    b, sq, sk, hq, hkv = 2, 384, 1000, 4, 2
+    float64 oracle. Causal with 1024 keys (Sk - Sq = 5 · 128) puts the diagonal on a block boundary, where
+    warpgroup 0 takes the diagonal block at half width (``_half_block``) at d = 64 and 128."""
+    b, sq, hq, hkv = 2, 384, 4, 2
     g = torch.Generator().manual_seed(d + causal)
     steps = torch.tensor([-6.0, 1.0, 4.0, 12.0])[torch.randint(0, 4, (sk // 32 + 1,), generator=g)]
     level = torch.cumsum(steps, 0).repeat_interleave(32)[:sk]  # a row of slope 1 scores about this (base 2)
     slope = torch.linspace(0.2, 1.5, sq)
     unit = 1.0 / (1.4426950408889634 * d ** 0.5)  # q·k · d^-0.5 · log2(e) = slope · level for q = slope · unit
-    q = (slope[:, None] + 0.05 * torch.randn(b, sq, hq, d, generator=g).transpose(1, 2)).transpose(1, 2) * unit
-    k = (level[:, None] + 0.05 * torch.randn(b, sk, hkv, d, generator=g).transpose(1, 2)).transpose(1, 2)
+    q = (slope[:, None, None] + 0.05 * torch.randn(b, sq, hq, d, generator=g)) * unit
+    k = level[:, None, None] + 0.05 * torch.randn(b, sk, hkv, d, generator=g)
     v = torch.randn(b, sk, hkv, d, generator=g)
-    q, k, v = (x.contiguous().to(device="cuda", dtype=torch.bfloat16) for x in (q, k, v))
+    q, k, v = (x.to(device="cuda", dtype=dtype) for x in (q, k, v))
     config = replace(_FWD_WS[causal][d], persistent=persistent, lazy_rescale=lazy)
     o, lse = _run_poisoned(q, k, v, causal, config=config)
     _check(q, k, v, causal, o, lse)

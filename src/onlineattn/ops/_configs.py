@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -210,7 +209,8 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
     if ws is not None and shortest >= WS_MIN_KEYS[head_dim][causal]:
         if causal and shortest < WS_CAUSAL_PERSISTENT_BELOW[head_dim]:
             ws = replace(ws, persistent=True)
-        if (seqlen_k or 0) >= LAZY_RESCALE_FROM.get((head_dim, causal), math.inf):
+        lazy_from = LAZY_RESCALE_FROM.get((head_dim, causal))
+        if lazy_from is not None and seqlen_k >= lazy_from:
             ws = replace(ws, lazy_rescale=True)
         return ws
     if padded == 256 and (variants or not tma_ok or (seqlen_q is not None and seqlen_q <= 512)):

@@ -555,17 +555,14 @@ def _early_dkdv(dk, dv, dk_desc, dv_desc, ds_smem, dq_smem, staged, n, off_b, of
     (``staged``): the next block's first dSᵀ and dQ tiles reuse them."""
     D: gl.constexpr = tile.HEAD_DIM
     dtype: gl.constexpr = dk_desc.dtype
-    gl.static_assert(tile.BLOCK_N * tile.BLOCK_M >= 64 * D and tile.BLOCK_M >= 64, "dK/dV fit the staging buffers")
+    gl.static_assert(tile.BLOCK_N * tile.BLOCK_M >= 64 * D and tile.BLOCK_M >= 64,
+                     "a warpgroup's dK and dV (2-byte elements: stores_by_tma) fit its staging buffers")
     if tile.WG == 0:
         bufs = ds_smem._reinterpret(dtype, [2, 1, 64, 1, D], dk_desc.layout)
     else:
         bufs = dq_smem._reinterpret(dtype, [2, 1, 64, 1, D], dk_desc.layout)
-    bufs.index(0).reshape([64, D]).store(dk.to(dtype))
-    bufs.index(1).reshape([64, D]).store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [off_b, key0, off_hkv, 0], bufs.index(0))
-    tma.async_copy_shared_to_global(dv_desc, [off_b, key0, off_hkv, 0], bufs.index(1))
-    tma.store_wait(0)
+    _store_dkdv_tma(dk, dv, dk_desc, dv_desc, bufs.index(0).reshape([64, D]), bufs.index(1).reshape([64, D]),
+                    bufs.index(0), bufs.index(1), off_b, off_hkv, key0)
     mbarrier.arrive(staged, count=1)
     mbarrier.wait(staged, n & 1)
 
@@ -717,7 +714,8 @@ def _release(ptrs, lane):
 
 def descriptors(q, k, v, do, dk, dv, tile) -> tuple:
     """Q's, K's, V's, dO's, dK's and dV's descriptors for ``tile``: a row tile of one head, a key block of one kv
-    head, and for dK and dV a warpgroup's 64 keys (its K and V rows' box, which stage them). Where the kernel stores
+    head, and for dK and dV a warpgroup's 64 keys (its K and V rows' box, which stage them, or in a persistent
+    fused-dQ tile the dSᵀ/dQ buffers, ``_early_dkdv``). Where the kernel stores
     dK and dV from registers (``stores_by_tma`` is false) Q's and dO's stand in for them, unread."""
     d = q.shape[-1]
     rows_block, keys_block, out_block = (1, tile.block_m, 1, d), (1, tile.block_n, 1, d), (1, KEYS_PER_WARPGROUP, 1, d)
@@ -729,8 +727,8 @@ def descriptors(q, k, v, do, dk, dv, tile) -> tuple:
 
 def stores_by_tma(q, dk, dv, tile) -> bool:
     """Whether the kernel stores dK and dV by TMA, staged in each warpgroup's own 64 rows of K and V (a [64, D] box,
-    dK's and dV's shape, type and swizzle): at d = 64 and 128 with 64-row tiles, into outputs of q's dtype with a
-    16-byte aligned base and strides. Otherwise it stores them from registers (``gl.store``), as at d = 256 (whose
+    dK's and dV's shape, type and swizzle; a persistent fused-dQ tile stages them in its dSᵀ/dQ buffers): at
+    d = 64 and 128 with 64-row tiles, into outputs of q's dtype with a 16-byte aligned base and strides. Otherwise it stores them from registers (``gl.store``), as at d = 256 (whose
     warpgroups share their keys), for ring attention, which sums its steps into float32 dk and dv, and on 128-row
     tiles (d = 64's fused dQ), where TMA stores measured 3-5 % slower non-causal (NOTES v22)."""
     return (q.shape[-1] <= 128 and tile.block_m == KEYS_PER_WARPGROUP and dk.dtype == q.dtype and dv.dtype == q.dtype

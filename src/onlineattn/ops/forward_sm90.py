@@ -553,9 +553,11 @@ def _softmax(s, m_i, l_i, start_n, rows, seqlen_k, diag, mask_from, qk_scale, CA
         else:
             keep = cols[None, :] < seqlen_k
         s = gl.where(keep, s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+    row_max = gl.max(s, axis=1) * qk_scale
     if LAZY:
-        m_new = gl.where(m_new > m_i + 8.0, m_new, m_i)
+        m_new = gl.where(row_max > m_i + 8.0, row_max, m_i)
+    else:
+        m_new = gl.maximum(m_i, row_max)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: exp2(-inf - 0) = 0, no NaN
     p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i - m_use)
