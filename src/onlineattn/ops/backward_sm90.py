@@ -728,9 +728,10 @@ def descriptors(q, k, v, do, dk, dv, tile) -> tuple:
 def stores_by_tma(q, dk, dv, tile) -> bool:
     """Whether the kernel stores dK and dV by TMA, staged in each warpgroup's own 64 rows of K and V (a [64, D] box,
     dK's and dV's shape, type and swizzle; a persistent fused-dQ tile stages them in its dSᵀ/dQ buffers): at
-    d = 64 and 128 with 64-row tiles, into outputs of q's dtype with a 16-byte aligned base and strides. Otherwise it stores them from registers (``gl.store``), as at d = 256 (whose
-    warpgroups share their keys), for ring attention, which sums its steps into float32 dk and dv, and on 128-row
-    tiles (d = 64's fused dQ), where TMA stores measured 3-5 % slower non-causal (NOTES v22)."""
+    d = 64 and 128 with 64-row tiles, into outputs of q's dtype with a 16-byte aligned base and strides. Otherwise
+    it stores them from registers (``gl.store``), as at d = 256 (whose warpgroups share their keys), for ring
+    attention, which sums its steps into float32 dk and dv, and on 128-row tiles (d = 64's fused dQ), where TMA
+    stores measured 3-5 % slower non-causal (NOTES v22)."""
     return (q.shape[-1] <= 128 and tile.block_m == KEYS_PER_WARPGROUP and dk.dtype == q.dtype and dv.dtype == q.dtype
             and tma_aligned(dk, dv))
 
