@@ -465,9 +465,37 @@ def test_long_and_strided_bf16(d, causal, table):
         _check_rows(q, k, v, causal, o, lse, rows, scale=0.07)
 
 
+def test_descriptors_are_kept_by_address_and_geometry():
+    """A descriptor over the same memory, shape, strides, dtype and box as one built before is that one; any of them
+    different gives another. A kept descriptor holds its tensor's address, not the tensor."""
+    import gc
+    import weakref
+
+    from onlineattn.ops import forward_sm90
+
+    box = (1, 64, 1, 128)
+    memory = torch.randn(2 * 128 * 4 * 128 * 2, dtype=torch.bfloat16)
+    x = memory[: 2 * 128 * 4 * 128].view(2, 128, 4, 128)
+    kept = forward_sm90.descriptor(x, box)
+    assert forward_sm90.descriptor(memory[: x.numel()].view(x.shape), box) is kept  # another tensor, same memory
+    assert kept.base.data_ptr() == x.data_ptr() and tuple(kept.shape) == x.shape and tuple(kept.strides) == x.stride()
+    wider = memory.as_strided(x.shape, (2 * x.stride(0), *x.stride()[1:]))  # same address and shape, other strides
+    others = [memory[: x.numel()].clone().view(x.shape), x[:, :64], wider, x.half()]
+    built = [forward_sm90.descriptor(y, box) for y in others] + [forward_sm90.descriptor(x, (1, 128, 1, 128))]
+    assert all(d is not kept for d in built) and len({id(d) for d in built}) == len(built)
+    for y, d in zip(others, built):
+        assert d.base.data_ptr() == y.data_ptr() and tuple(d.strides) == y.stride() and d.base.dtype == y.dtype
+    alone = torch.randn(1, 64, 2, 128, dtype=torch.bfloat16)
+    gone = weakref.ref(alone)
+    forward_sm90.descriptor(alone, box)
+    del alone
+    gc.collect()
+    assert gone() is None, "a kept descriptor keeps its tensor alive"
+
+
 def test_repeats_launch_a_kept_gluon_step(monkeypatch):
     """A plain whole-batch call routed here is kept (its launch as a Relaunch): later calls with the same metadata
-    relaunch it with their own tensors (fresh descriptors around q, k, v and o), without the routing checks (``ws_ok``);
+    relaunch it with their own tensors (descriptors around q, k, v and o), without the routing checks (``ws_ok``);
     another shape, or a Relaunch that is not ready, takes the full path."""
     checks, starts, relaunches = [], [], []
     ready = [True]
@@ -489,7 +517,8 @@ def test_repeats_launch_a_kept_gluon_step(monkeypatch):
         o, lse = F.forward(q, k, v, 0.1, False, config=_FWD_WS[False][128])
         keep, grid, arrays = starts[-1] if expect_start else (True, *relaunches[-1])
         assert keep and grid == (2,)  # one 128-row tile per head
-        assert [a.base for a in arrays[:4]] == [q, k, v, o] and arrays[4] is lse
+        assert [(a.base.data_ptr(), tuple(a.shape), tuple(a.strides)) for a in arrays[:4]] == [
+            (x.data_ptr(), tuple(x.shape), x.stride()) for x in (q, k, v, o)] and arrays[4] is lse
     assert len(starts) == 2 and len(relaunches) == 2 and len(checks) == 2  # the first call of each shape
     ready[0] = False  # e.g. a new alignment: the Relaunch refuses, the call takes the full path (and keeps anew)
     F.forward(q, k, v, 0.1, False, config=_FWD_WS[False][128])

@@ -747,7 +747,12 @@ def dq_descriptor(dq_acc, tile, d: int, device):
 
 @functools.cache
 def _placeholder(rows: int, d: int, device):
-    return descriptor(torch.zeros((rows, d), dtype=torch.float32, device=device), (rows, d // 2))
+    return descriptor(_placeholder_memory(rows, d, device), (rows, d // 2))
+
+
+@functools.cache
+def _placeholder_memory(rows: int, d: int, device):
+    return torch.zeros((rows, d), dtype=torch.float32, device=device)  # kept: a descriptor holds only its address
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None,
