@@ -465,9 +465,10 @@ def test_long_and_strided_bf16(d, causal, table):
         _check_rows(q, k, v, causal, o, lse, rows, scale=0.07)
 
 
-def test_descriptors_are_kept_by_address_and_geometry():
+def test_descriptors_are_kept_by_address_and_geometry(monkeypatch):
     """A descriptor over the same memory, shape, strides, dtype and box as one built before is that one; any of them
-    different gives another. A kept descriptor holds its tensor's address, not the tensor."""
+    different gives another. A kept descriptor holds its tensor's address, not the tensor. With the launch cache off
+    (``ONLINEATTN_LAUNCH_CACHE=0``) every call builds its own, around the tensor."""
     import gc
     import weakref
 
@@ -480,7 +481,7 @@ def test_descriptors_are_kept_by_address_and_geometry():
     assert forward_sm90.descriptor(memory[: x.numel()].view(x.shape), box) is kept  # another tensor, same memory
     assert kept.base.data_ptr() == x.data_ptr() and tuple(kept.shape) == x.shape and tuple(kept.strides) == x.stride()
     wider = memory.as_strided(x.shape, (2 * x.stride(0), *x.stride()[1:]))  # same address and shape, other strides
-    others = [memory[: x.numel()].clone().view(x.shape), x[:, :64], wider, x.half()]
+    others = [memory[: x.numel()].clone().view(x.shape), x[:, :64], wider, x.half(), x.view(torch.float16)]
     built = [forward_sm90.descriptor(y, box) for y in others] + [forward_sm90.descriptor(x, (1, 128, 1, 128))]
     assert all(d is not kept for d in built) and len({id(d) for d in built}) == len(built)
     for y, d in zip(others, built):
@@ -491,6 +492,9 @@ def test_descriptors_are_kept_by_address_and_geometry():
     del alone
     gc.collect()
     assert gone() is None, "a kept descriptor keeps its tensor alive"
+    monkeypatch.setattr(forward_sm90.launch_cache, "enabled", False)
+    fresh = forward_sm90.descriptor(x, box)
+    assert fresh is not kept and fresh.base is x
 
 
 def test_repeats_launch_a_kept_gluon_step(monkeypatch):

@@ -697,9 +697,9 @@ def _scale_dq(dq_acc, scale: float, dq, keep: bool = False):
 # Repeats. A training loop runs the backward with the same shapes every step, so a plain whole-batch call keeps its
 # choices (tile, descriptor use) and its launches (``_Step``: the dQ and dK/dV kernels, or with a fused dQ the
 # preprocess kernel, the dK/dV kernel and the pass that scales dQ), keyed by the metadata they depend on; a repeat
-# only swaps the tensors in (``Relaunch``) and rebuilds the descriptors around them. All must be ready before any
-# starts; where one is not (a hook set, an alignment changed...), the call takes the full path, which keeps a fresh
-# step.
+# only swaps the tensors in (``Relaunch``) with descriptors around them (the Gluon kernel's kept by address:
+# ``forward_sm90.descriptor``). All must be ready before any starts; where one is not (a hook set, an alignment
+# changed...), the call takes the full path, which keeps a fresh step.
 
 
 class _Step:

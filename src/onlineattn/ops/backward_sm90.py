@@ -741,18 +741,15 @@ def dq_descriptor(dq_acc, tile, d: int, device):
     boxes of one row tile and half a head's columns; without ``dq_acc`` (not fused) a placeholder the kernel never
     reads."""
     if dq_acc is None:
-        return _placeholder(tile.block_m, d, device)
+        return _placeholder(tile.block_m, d, device)[1]
     return descriptor(dq_acc.view(dq_acc.shape[0] * dq_acc.shape[1], -1), (tile.block_m, d // 2))
 
 
 @functools.cache
-def _placeholder(rows: int, d: int, device):
-    return descriptor(_placeholder_memory(rows, d, device), (rows, d // 2))
-
-
-@functools.cache
-def _placeholder_memory(rows: int, d: int, device):
-    return torch.zeros((rows, d), dtype=torch.float32, device=device)  # kept: a descriptor holds only its address
+def _placeholder(rows: int, d: int, device) -> tuple:
+    """(memory, its descriptor): kept together, since a descriptor holds only its memory's address."""
+    memory = torch.zeros((rows, d), dtype=torch.float32, device=device)
+    return memory, descriptor(memory, (rows, d // 2))
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None,

@@ -410,9 +410,9 @@ def _launch(q, k, v, o, lse, scale: float, causal: bool, cfg, use_tma: bool, mod
 
 # ---------------------------------------------------------------------------------------------------------------
 # Repeats. A plain whole-batch call keeps its tile choice and its launch per metadata; a repeat swaps the tensors in
-# (``Relaunch``) and rebuilds the descriptors around them (K's and V's; the Gluon kernel's Q's too). Where the
-# relaunch declines (a hook set, an alignment changed...), nothing is launched and the call takes the full path,
-# which keeps a fresh launch.
+# (``Relaunch``) with descriptors around them (K's and V's; the Gluon kernel's Q's and O's too, which
+# ``forward_sm90.descriptor`` keeps by address, so only new memory builds one). Where the relaunch declines (a hook
+# set, an alignment changed...), nothing is launched and the call takes the full path, which keeps a fresh launch.
 
 _STEPS: dict = {}  # metadata -> (tile, descriptor use, grid, Relaunch or None)
 _MAX_STEPS = 256  # shapes a process sees are few; past this the table starts over

@@ -43,6 +43,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
 from ._common import LOG2E
+from . import _launch as launch_cache
 from ._launch import bounded_put, cdiv, start
 
 ROWS_PER_WARPGROUP = 64
@@ -593,16 +594,23 @@ class _Address:
     def data_ptr(self) -> int:
         return self.ptr
 
+    def __repr__(self) -> str:
+        return f"_Address(0x{self.ptr:x}, {self.dtype})"
+
 
 _DESCRIPTORS: dict = {}  # (address, shape, strides, dtype, box) -> descriptor over an _Address
-MAX_DESCRIPTORS = 1024  # a model's layers and steps reuse few addresses; past this the table starts over
+# A training step keeps ~11 a layer (the forward's 4, the backward's 7), a few hundred bytes each: room for several
+# hundred layers before the table starts over.
+MAX_DESCRIPTORS = 8192
 
 
 def descriptor(x, block: tuple) -> TensorDescriptor:
     """A Gluon TMA descriptor of ``x`` with box ``block`` (the kernels' shared-memory layout for it). Kept by
     address and geometry: a launch reads nothing else of a descriptor, so a repeat over the same memory (a training
     step's recycled buffers, a benchmark loop) reuses it instead of building and checking a new one (2-3 µs each on
-    the H200 machine's CPU, NOTES v24)."""
+    the H200 machine's CPU, NOTES v24). ``ONLINEATTN_LAUNCH_CACHE=0`` builds every one afresh, as before."""
+    if not launch_cache.enabled:
+        return TensorDescriptor.from_tensor(x, list(block), _shared_layout(block, x.dtype))
     key = (x.data_ptr(), x.shape, x.stride(), x.dtype, block)
     kept = _DESCRIPTORS.get(key)
     if kept is None:
