@@ -521,3 +521,84 @@ def test_bounded_put_starts_over_when_full():
     assert table == {3: "3"}
     _launch.bounded_put(table, 3, "x", 1)  # at the limit even for a key it holds
     assert table == {3: "x"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A Relaunch's direct launch: Triton 3.6's CudaLauncher minus its Python, with the C launcher a recorder.
+
+
+class _TensorMaps:
+    """Stands in for the driver's ``fill_tma_descriptor``: a new map object per call, counted."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def fill_tma_descriptor(self, *args):
+        self.calls += 1
+        return ["map", *args]  # equal by value, a new object each time
+
+
+def _cuda_launcher(recorder, types: tuple, n_rest: int):
+    """A ``CudaLauncher`` as Triton 3.6 builds it (not compiled): ``recorder`` is its C launch, every descriptor
+    argument has metadata."""
+    from triton.backends.nvidia.driver import CudaLauncher, wrap_handle_tensordesc
+
+    signature = {i: "tensordesc<bf16[1, 128, 1, 128]>" if t in _launch._DESCRIPTOR_TYPES else "i32"
+                 for i, t in enumerate(types + (int,) * n_rest)}
+    n_desc = sum(t in _launch._DESCRIPTOR_TYPES for t in types)
+    meta = [dict(swizzle=3, elem_size=2, elem_type=i, block_size=[1, 128, 1, 128], fp4_padded=False)
+            for i in range(n_desc)]
+    launcher = object.__new__(CudaLauncher)
+    launcher.launch = wrap_handle_tensordesc(recorder, signature, meta)
+    launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, False
+    launcher.global_scratch_size = launcher.profile_scratch_size = 0
+    launcher.profile_scratch_align = launcher.global_scratch_align = 1
+    return launcher
+
+
+def test_direct_relaunch_passes_what_triton_launcher_would(monkeypatch):
+    """The direct launch gives the C launcher exactly the arguments ``CudaLauncher`` would (tensor maps and all); a
+    descriptor kept by address builds its tensor map once, one over a tensor every launch (as Triton's)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    kernel, grid, args, kwargs = _gluon_calls(monkeypatch)[0]
+    bound = _launch.bind(kernel, args, kwargs)[1]
+    q_desc = args[0]
+    assert not isinstance(q_desc.base, torch.Tensor)  # kept by address (forward_sm90.descriptor)
+    over_tensor = GluonDescriptor(torch.empty(q_desc.shape, dtype=torch.bfloat16), q_desc.shape, q_desc.strides,
+                                  q_desc.block_shape, q_desc.layout)
+    arrays, rest = (over_tensor, *bound[1:5]), tuple(bound[5:])
+    maps = _TensorMaps()
+    monkeypatch.setattr(triton.runtime.driver, "_active", _Driver())
+    monkeypatch.setattr(_Driver, "utils", maps, raising=False)
+    launches = []
+    launcher = _cuda_launcher(lambda *a: launches.append(a), tuple(map(type, arrays)), len(rest))
+    compiled = _Compiled()
+    compiled.run = launcher
+    relaunch = _launch.Relaunch(kernel, compiled, arrays, rest, 0, (None, None), {})
+    assert relaunch.direct is not None
+    launcher(grid[0], 1, 1, 7, "function", "packed", None, None, None, *arrays, *rest)  # Triton's own path
+    relaunch.go(grid, arrays)
+    assert maps.calls == 8  # four descriptors, twice
+    assert launches[1] == launches[0] and len(launches[0]) == 13 + 4 * (1 + 4 + 4) + 1 + len(rest)
+    relaunch.go(grid, arrays)  # the three kept descriptors keep their maps; the one over a tensor builds its own
+    assert maps.calls == 9 and launches[2] == launches[0]
+    maps_at = [13 + 9 * i for i in range(4)]
+    assert launches[2][maps_at[0]] is not launches[1][maps_at[0]]
+    assert all(launches[2][i] is launches[1][i] for i in maps_at[1:])
+
+
+def test_direct_relaunch_declines_scratch_and_other_launchers(monkeypatch):
+    kernel, grid, args, kwargs = _gluon_calls(monkeypatch)[0]
+    bound = _launch.bind(kernel, args, kwargs)[1]
+    arrays, rest = tuple(bound[:5]), tuple(bound[5:])
+    compiled = _Compiled()  # its run() is not a CudaLauncher: go() calls it
+    assert _launch.Relaunch(kernel, compiled, arrays, rest, 0, (None, None), {}).direct is None
+    compiled.run = _cuda_launcher(print, tuple(map(type, arrays)), len(rest))
+    compiled.run.global_scratch_size = 64  # scratch is allocated per launch by CudaLauncher.__call__
+    assert _launch.Relaunch(kernel, compiled, arrays, rest, 0, (None, None), {}).direct is None
+    compiled.run.global_scratch_size = 0
+    assert _launch.Relaunch(kernel, compiled, arrays, rest, 0, (None, None), {}).direct is not None
+    types = (torch.Tensor, *map(type, arrays[1:]))  # the launcher's descriptors are not where the arrays' are
+    compiled.run = _cuda_launcher(print, types, len(rest))
+    assert _launch.Relaunch(kernel, compiled, arrays, rest, 0, (None, None), {}).direct is None

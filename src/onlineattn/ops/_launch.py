@@ -38,6 +38,10 @@ from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+try:  # Triton 3.6's CUDA launcher, which a Relaunch calls without its per-launch Python (_direct)
+    from triton.backends.nvidia import driver as nvidia_driver
+except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
+    nvidia_driver = None
 try:  # Gluon as triton 3.6 has it (ops/forward_sm90.py, backward_sm90.py)
     from triton.experimental.gluon._runtime import GluonJITFunction
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
@@ -214,7 +218,7 @@ class Relaunch:
     starting any. ``prepare`` makes one."""
 
     __slots__ = ("kernel", "compiled", "rest", "types", "aligned", "tensor_at", "descriptor_at", "descriptor_keys",
-                 "device", "knobs", "options")
+                 "device", "knobs", "options", "direct")
 
     def __init__(self, kernel, compiled, arrays: tuple, rest: tuple, device, knob_values: tuple, options: dict):
         self.kernel, self.compiled, self.rest = kernel, compiled, rest
@@ -225,6 +229,7 @@ class Relaunch:
         self.descriptor_keys = _descriptor_keys(arrays, self.descriptor_at)
         self.device, self.knobs = device, knob_values
         self.options = options  # the launch options (num_warps...): not needed to relaunch, kept for checks
+        self.direct = _direct(compiled, self.types)
 
     def __call__(self, grid: tuple, arrays: tuple) -> bool:
         if not self.ready(arrays):
@@ -246,7 +251,65 @@ class Relaunch:
 
     def go(self, grid: tuple, arrays: tuple) -> None:
         """Launch the kept kernel with these leading arguments; only after ``ready(arrays)``."""
-        _run(self.compiled, grid, self.device, arrays + self.rest)
+        if self.direct is None:
+            _run(self.compiled, grid, self.device, arrays + self.rest)
+            return
+        launcher, fixed, metas = self.direct
+        args = []
+        for x, meta in zip(arrays, metas):
+            if meta is _TENSOR:
+                args.append(x)
+            else:
+                args.extend(_descriptor_args(x, meta))
+        n = len(grid)
+        launcher(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                 driver.active.get_current_stream(self.device), *fixed, *args, *self.rest)
+
+
+_TENSOR = object()  # in a direct launch's per-array metadata: a tensor, passed as it is
+
+
+def _direct(compiled, types: tuple):
+    """``(C launcher, its fixed arguments, per leading array: _TENSOR or its descriptor's metadata)`` to launch
+    ``compiled`` as Triton 3.6's ``CudaLauncher`` does, minus its Python: the C launcher that its
+    ``wrap_handle_tensordesc`` wraps, given each descriptor's arguments as ``make_tensordesc_arg`` expands them
+    (``_descriptor_args`` keeps those of a descriptor kept by address). None where the launcher is not that one (the
+    interpreter, another driver or version), allocates scratch memory per launch, or its descriptors are not exactly
+    the leading arrays' (then ``go`` calls ``compiled.run``)."""
+    run = compiled.run
+    if nvidia_driver is None or type(run) is not getattr(nvidia_driver, "CudaLauncher", None):
+        return None
+    if run.global_scratch_size or run.profile_scratch_size:
+        return None
+    launcher, desc_at, desc_meta = run.launch, [], []
+    if getattr(launcher, "__qualname__", "") == "wrap_handle_tensordesc.<locals>.inner":
+        cells = dict(zip(launcher.__code__.co_freevars, [c.cell_contents for c in launcher.__closure__]))
+        if set(cells) != {"launcher", "tensordesc_indices", "tensordesc_meta"}:
+            return None
+        launcher, desc_at = cells["launcher"], sorted(cells["tensordesc_indices"])
+        desc_meta = cells["tensordesc_meta"] or [None] * len(desc_at)
+    elif not callable(launcher) or type(launcher).__name__ != "builtin_function_or_method":
+        return None
+    if desc_at != [i for i, t in enumerate(types) if t in _DESCRIPTOR_TYPES]:
+        return None
+    metas = dict(zip(desc_at, desc_meta))
+    fixed = (compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+             None, None, None)  # function; cooperative, PDL; no scratch; the kernel's metadata; no launch hooks
+    return launcher, fixed, tuple(metas.get(i, _TENSOR) for i in range(len(types)))
+
+
+def _descriptor_args(d, meta) -> list:
+    """``make_tensordesc_arg(d, meta)``: the CUtensorMap Triton's launcher builds from descriptor ``d`` for a kernel
+    whose metadata for it is ``meta``, with d's shape and strides. A descriptor whose base is not a tensor (one
+    ``forward_sm90.descriptor`` keeps by address, never changed) keeps its own, built once per kernel metadata:
+    each build is a Python call and a driver call (cuTensorMapEncodeTiled)."""
+    if isinstance(d.base, torch.Tensor):
+        return nvidia_driver.make_tensordesc_arg(d, meta)
+    kept = d.__dict__.setdefault("_launch_args", {})
+    args = kept.get(id(meta))
+    if args is None or args[0] is not meta:
+        args = kept[id(meta)] = (meta, nvidia_driver.make_tensordesc_arg(d, meta))
+    return args[1]
 
 
 def _aligned(tensors) -> tuple:
