@@ -69,3 +69,22 @@ def test_window_flops_count_the_band():
     assert band == 4.0 * 16 * 128 * (1024 * 1025 / 2 + (16384 - 1024) * 1024)
     assert 0.12 < band / full < 0.125  # the visible pairs: a bit under 1/8 of the causal triangle
     assert case.flops("fwd", window=16384) == full + 4.0 * 16 * 128 * 16384 / 2  # the diagonal counted whole
+
+
+def test_first_case_is_timed_once_and_dropped_before_the_grid(monkeypatch):
+    """A fresh process's first timed point reads low (NOTES v25): every provider and mode times the first case once,
+    unrecorded, before the grid; the rows are the grid's."""
+    calls = []
+
+    def timed(fn, mode, q, k, v, causal):
+        calls.append((fn.__name__, mode, q.shape[1]))
+        return 1.0
+
+    monkeypatch.setattr(P, "_timed", timed)
+    monkeypatch.setattr(P, "_inputs", lambda case, dtype: tuple(torch.zeros(1, case.n, 1, 1) for _ in range(3)))
+    cases = P.grid((64,), (512, 1024), (False,))
+    rows = P.run(cases, ["onlineattn", "onlineattn-nondet", "sdpa-math"], ("fwd", "bwd"), out=None)
+    points = lambda n: [("_ours", "fwd", n), ("run", "fwd", n), ("_ours", "bwd", n), ("_ours_any_order", "bwd", n),
+                        ("run", "bwd", n)]  # sdpa-math's function is run; onlineattn-nondet's forward is ours
+    assert calls == points(512) + points(512) + points(1024)
+    assert len(rows) == 10 and {r["Sq"] for r in rows} == {512, 1024}
