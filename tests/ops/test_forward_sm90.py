@@ -217,8 +217,7 @@ def test_kernel_compiles_for_sm90():
     (112); with Sk = Sq + 1 (the diagonal off a block boundary) causal compiles without it. The last two cases
     rescale lazily (``lazy_rescale``): the same matmuls as the second and fourth, and more barriers (the
     warpgroup-wide test of the rows' maxima, a reduction across warps). Also the partitions'
-    register split, and Q (one buffer, or two at
-    d = 128), the table's K/V stages and the two O staging buffers (64 rows by up to 128 columns each) within
+    register split, and Q (one buffer, or two: the fifth case and the short tiles), the table's K/V stages and the two O staging buffers (64 rows by up to 128 columns each) within
     shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")

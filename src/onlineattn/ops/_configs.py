@@ -157,9 +157,15 @@ WS_MIN_KEYS = {64: (512, 1024), 128: (512, 512), 256: (512, 512)}
 #     persistent: d = 128 309-314 against the 128-key table tile's 298-300 (cuDNN 302-305); d = 64 231-234 against
 #     the Triton tile's 210-212 (cuDNN 245-250). At N = 1024 the 128-key tiles led (d = 128 419-420 against
 #     394-399; d = 64 322-323 against 292-297), so these stop below 1024.
+#   - Session 33 (NOTES v25, .devrun/fsweep33.py, one process, two passes alternated, TFLOP/s under the bench's
+#     cold-L2 do_bench | CUDA graph, causal N = 512): a second Q buffer (the next tile's Q lands under this one) at
+#     d = 64 243-244 | 238-239 against the three-stage tile's 228-230 | 231-232 (four stages and two buffers
+#     239-242 | 238-239; four or six stages alone 226-229 | 230-231; lazy rescaling 220-222; one program per tile
+#     166-167; cuDNN 259-260 | 245); at d = 128 four stages and two buffers 331-333 | 309-310, two buffers 323-327
+#     | 308-310, against 316-323 | 304-305 (cuDNN 323-325 | 301-303).
 WS_SHORT_KEYS = (512, 1024)
-_WS_CAUSAL_SHORT = FwdConfig(128, 64, 4, 3, tma=True, gluon=True, persistent=True)
-_FWD_WS_SHORT = {(64, True): _WS_CAUSAL_SHORT, (128, True): _WS_CAUSAL_SHORT}
+_WS_CAUSAL_SHORT = FwdConfig(128, 64, 4, 3, tma=True, gluon=True, persistent=True, q_stages=2)
+_FWD_WS_SHORT = {(64, True): _WS_CAUSAL_SHORT, (128, True): replace(_WS_CAUSAL_SHORT, num_stages=4)}
 WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 16384, 256: 16384}
 # - Lazy rescale (session 31, NOTES v23, .devrun/fsweep31.py, the table's tile with lazy_rescale off / on, CUDA-graph
 #   means, two passes each, TFLOP/s at N = 512 / 1024 / 2048 / 4096 / 8192 / 16384):
