@@ -88,3 +88,19 @@ def test_first_case_is_timed_once_and_dropped_before_the_grid(monkeypatch):
                         ("run", "bwd", n)]  # sdpa-math's function is run; onlineattn-nondet's forward is ours
     assert calls == points(512) + points(512) + points(1024)
     assert len(rows) == 10 and {r["Sq"] for r in rows} == {512, 1024}
+
+
+def test_settling_leaves_a_failing_peer_to_the_grid_and_stops_on_ours(monkeypatch):
+    def timed(fn, mode, q, k, v, causal):
+        if fn.__name__ == "run":  # sdpa-math's function: a peer that fails
+            raise RuntimeError("peer failed")
+        return 1.0
+
+    monkeypatch.setattr(P, "_timed", timed)
+    monkeypatch.setattr(P, "_inputs", lambda case, dtype: tuple(torch.zeros(1, case.n, 1, 1) for _ in range(3)))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    rows = P.run(P.grid((64,), (512,), (False,)), ["onlineattn", "sdpa-math"], ("fwd",), out=None)
+    assert [r["provider"] for r in rows] == ["onlineattn"]  # the peer's cell is n/a, the run goes on
+    monkeypatch.setattr(P, "_timed", lambda *a: (_ for _ in ()).throw(RuntimeError("ours failed")))
+    with pytest.raises(RuntimeError, match="ours failed"):
+        P._settle(P.grid((64,), (512,), (False,))[0], {"onlineattn": P._ours}, ("fwd",), torch.float32)

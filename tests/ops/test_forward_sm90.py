@@ -216,9 +216,9 @@ def test_kernel_compiles_for_sm90():
     and take their last P·V over 64 keys (4 k-steps, not 8): 24 more wgmma at d = 128 (152) and 16 at d = 64
     (112); with Sk = Sq + 1 (the diagonal off a block boundary) causal compiles without it. The last two cases
     rescale lazily (``lazy_rescale``): the same matmuls as the second and fourth, and more barriers (the
-    warpgroup-wide test of the rows' maxima, a reduction across warps). Also the partitions'
-    register split, and Q (one buffer, or two: the fifth case and the short tiles), the table's K/V stages and the two O staging buffers (64 rows by up to 128 columns each) within
-    shared memory."""
+    warpgroup-wide test of the rows' maxima, a reduction across warps). Also the partitions' register split, and Q
+    (one buffer, or two: the fifth case, the short tiles), the table's K/V stages and the two O staging buffers (64
+    rows by up to 128 columns each) within shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
@@ -325,20 +325,21 @@ def test_programs_hand_over_many_tiles(shape, q_stages, causal, d, monkeypatch):
 @gpu
 @sm90
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages,q_stages", [(2, 1), (3, 2), (4, 2)])
 @pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
-def test_warpgroup_0_skips_blocks_its_rows_do_not_see(shape, persistent, stages, d, monkeypatch):
+def test_warpgroup_0_skips_blocks_its_rows_do_not_see(shape, persistent, stages, q_stages, d, monkeypatch):
     """Causal, 64-key blocks at d = 64 and 128 (d = 256's own blocks run in the tests above): a tile's last block
     lies past every row of warpgroup 0 wherever the diagonal crosses the tile's second half, and warpgroup 0 does
     not compute it. Persistent over 3 programs (many tiles each, the ring's stages wrapping across tiles) it
     releases that block at the hand-over (``_skip``; ``test_skip_shapes_hand_over_skipped_blocks`` pins which
-    shapes do); one program per tile leaves it unreleased at the program's end."""
+    shapes do); one program per tile leaves it unreleased at the program's end. Two Q buffers with three or four
+    stages: the short causal tiles of ``_FWD_WS_SHORT``."""
     monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
     monkeypatch.setattr(F, "_STEPS", {})  # no kept launch of another grid
     b, sq, sk, hq, hkv = shape
     q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, torch.bfloat16, seed=sum(shape) + d + stages, device="cuda")
-    cfg = replace(_FWD_WS[True][d], block_n=64, num_stages=stages, persistent=persistent)
+    cfg = replace(_FWD_WS[True][d], block_n=64, num_stages=stages, persistent=persistent, q_stages=q_stages)
     o, lse = _run_poisoned(q, k, v, True, config=cfg)
     _check(q, k, v, True, o, lse)
 

@@ -538,19 +538,19 @@ class _TensorMaps:
         return ["map", *args]  # equal by value, a new object each time
 
 
-def _cuda_launcher(recorder, types: tuple, n_rest: int):
+def _cuda_launcher(recorder, types: tuple, n_rest: int, swizzle: int = 3):
     """A ``CudaLauncher`` as Triton 3.6 builds it (not compiled): ``recorder`` is its C launch, every descriptor
-    argument has metadata."""
+    argument has metadata (``swizzle`` in it), and it launches cooperative grids but not PDL ones."""
     from triton.backends.nvidia.driver import CudaLauncher, wrap_handle_tensordesc
 
     signature = {i: "tensordesc<bf16[1, 128, 1, 128]>" if t in _launch._DESCRIPTOR_TYPES else "i32"
                  for i, t in enumerate(types + (int,) * n_rest)}
     n_desc = sum(t in _launch._DESCRIPTOR_TYPES for t in types)
-    meta = [dict(swizzle=3, elem_size=2, elem_type=i, block_size=[1, 128, 1, 128], fp4_padded=False)
+    meta = [dict(swizzle=swizzle, elem_size=2, elem_type=i, block_size=[1, 128, 1, 128], fp4_padded=False)
             for i in range(n_desc)]
     launcher = object.__new__(CudaLauncher)
     launcher.launch = wrap_handle_tensordesc(recorder, signature, meta)
-    launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, False, False
+    launcher.num_ctas, launcher.launch_cooperative_grid, launcher.launch_pdl = 1, True, False
     launcher.global_scratch_size = launcher.profile_scratch_size = 0
     launcher.profile_scratch_align = launcher.global_scratch_align = 1
     return launcher
@@ -558,13 +558,14 @@ def _cuda_launcher(recorder, types: tuple, n_rest: int):
 
 def test_direct_relaunch_passes_what_triton_launcher_would(monkeypatch):
     """The direct launch gives the C launcher exactly the arguments ``CudaLauncher`` would (tensor maps and all); a
-    descriptor kept by address builds its tensor map once, one over a tensor every launch (as Triton's)."""
+    descriptor kept by address builds its tensor map once per kernel metadata, one over a tensor every launch (as
+    Triton's)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     kernel, grid, args, kwargs = _gluon_calls(monkeypatch)[0]
     bound = _launch.bind(kernel, args, kwargs)[1]
     q_desc = args[0]
-    assert not isinstance(q_desc.base, torch.Tensor)  # kept by address (forward_sm90.descriptor)
+    assert "launch_args" in q_desc.__dict__  # kept by address (forward_sm90.descriptor)
     over_tensor = GluonDescriptor(torch.empty(q_desc.shape, dtype=torch.bfloat16), q_desc.shape, q_desc.strides,
                                   q_desc.block_shape, q_desc.layout)
     arrays, rest = (over_tensor, *bound[1:5]), tuple(bound[5:])
@@ -572,20 +573,40 @@ def test_direct_relaunch_passes_what_triton_launcher_would(monkeypatch):
     monkeypatch.setattr(triton.runtime.driver, "_active", _Driver())
     monkeypatch.setattr(_Driver, "utils", maps, raising=False)
     launches = []
-    launcher = _cuda_launcher(lambda *a: launches.append(a), tuple(map(type, arrays)), len(rest))
-    compiled = _Compiled()
-    compiled.run = launcher
-    relaunch = _launch.Relaunch(kernel, compiled, arrays, rest, 0, (None, None), {})
-    assert relaunch.direct is not None
-    launcher(grid[0], 1, 1, 7, "function", "packed", None, None, None, *arrays, *rest)  # Triton's own path
-    relaunch.go(grid, arrays)
-    assert maps.calls == 8  # four descriptors, twice
-    assert launches[1] == launches[0] and len(launches[0]) == 13 + 4 * (1 + 4 + 4) + 1 + len(rest)
-    relaunch.go(grid, arrays)  # the three kept descriptors keep their maps; the one over a tensor builds its own
-    assert maps.calls == 9 and launches[2] == launches[0]
+    relaunches = []
+    for swizzle in (3, 2):  # two kernels whose metadata for the same descriptors differ
+        launcher = _cuda_launcher(lambda *a: launches.append(a), tuple(map(type, arrays)), len(rest), swizzle)
+        compiled = _Compiled()
+        compiled.run = launcher
+        relaunches.append(_launch.Relaunch(kernel, compiled, arrays, rest, 0, (None, None), {}))
+        assert relaunches[-1].direct is not None
+        launcher(grid[0], 1, 1, 7, "function", "packed", None, None, None, *arrays, *rest)  # Triton's own path
+        relaunches[-1].go(grid, arrays)
+        assert launches[-1] == launches[-2] and len(launches[-1]) == 13 + 4 * (1 + 4 + 4) + 1 + len(rest)
+    assert maps.calls == 16 and launches[0][5:7] == (True, False)  # cooperative, not PDL
     maps_at = [13 + 9 * i for i in range(4)]
-    assert launches[2][maps_at[0]] is not launches[1][maps_at[0]]
-    assert all(launches[2][i] is launches[1][i] for i in maps_at[1:])
+    assert all(launches[1][i] != launches[3][i] for i in maps_at)  # each kernel its own maps
+    for first, relaunch in zip((1, 3), relaunches):  # again: the kept descriptors reuse their maps, kernel by kernel
+        relaunch.go(grid, arrays)
+        assert launches[-1] == launches[first] and launches[-1][maps_at[0]] is not launches[first][maps_at[0]]
+        assert all(launches[-1][i] is launches[first][i] for i in maps_at[1:])
+    assert maps.calls == 18
+
+
+def test_direct_relaunch_of_tensors_calls_the_c_launcher(fake_decode, monkeypatch, capsys):
+    """A kernel without descriptors: ``CudaLauncher``'s launch is the C launcher itself (here ``print``, a builtin),
+    which the direct launch calls with the same arguments."""
+    jit, grid, args, kwargs, runs, compiled = fake_decode
+    bound = _launch.bind(jit, args, kwargs)[1]
+    arrays, rest = tuple(bound[:9]), tuple(bound[9:])
+    compiled.run = _cuda_launcher(print, tuple(map(type, arrays)), len(rest))
+    assert compiled.run.launch is print
+    relaunch = _launch.Relaunch(jit, compiled, arrays, rest, 0, (None, None), {})
+    assert relaunch.direct is not None
+    compiled.run(grid[0], grid[1], grid[2], 7, "function", "packed", None, None, None, *arrays, *rest)
+    triton_path = capsys.readouterr().out
+    relaunch.go(grid, arrays)
+    assert capsys.readouterr().out == triton_path and "True False" in triton_path
 
 
 def test_direct_relaunch_declines_scratch_and_other_launchers(monkeypatch):

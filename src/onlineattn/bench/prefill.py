@@ -200,23 +200,22 @@ def _inputs(case: Case, dtype) -> tuple:
     return tuple(torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
 
 
-def _settle(case: Case, fns: dict, modes, dtype) -> int:
+def _settle(case: Case, fns: dict, modes, dtype) -> None:
     """Time ``case`` once for every provider and mode, and drop the readings: the first point timed in a fresh
     process reads low, whichever provider runs it (d = 64, N = 512: ours read 331 and 334 TFLOP/s as a run's first
     point, 357.8 after another case and 356.7 after cuDNN's, NOTES v25), and the grid's first case would carry it.
-    A provider that fails here is left to the grid, which reports it. Returns the points timed."""
+    A peer that fails here is left to the grid, which reports it; our own failures stop the run, as in the grid."""
     q, k, v = _inputs(case, dtype)
-    timed = 0
     for mode in modes:
         for name, fn in fns.items():
             if mode == "fwd" and name in SAME_FORWARD:
                 continue
             try:
                 _timed(fn, mode, q, k, v, case.causal)
-                timed += 1
             except Exception:  # noqa: BLE001 - the grid times this point again and reports what fails
+                if name.startswith("onlineattn"):
+                    raise
                 torch.cuda.empty_cache()
-    return timed
 
 
 def run(cases, providers, modes, *, out: Path | None, commit: str | None = None, dtype=torch.bfloat16,

@@ -300,16 +300,23 @@ def _direct(compiled, types: tuple):
 
 def _descriptor_args(d, meta) -> list:
     """``make_tensordesc_arg(d, meta)``: the CUtensorMap Triton's launcher builds from descriptor ``d`` for a kernel
-    whose metadata for it is ``meta``, with d's shape and strides. A descriptor whose base is not a tensor (one
-    ``forward_sm90.descriptor`` keeps by address, never changed) keeps its own, built once per kernel metadata:
-    each build is a Python call and a driver call (cuTensorMapEncodeTiled)."""
-    if isinstance(d.base, torch.Tensor):
+    whose metadata for it is ``meta``, with d's shape and strides. A descriptor that carries a ``launch_args`` table
+    (``keep_launch_args``: one ``forward_sm90.descriptor`` keeps by address, never changed afterwards) keeps its
+    expansion there per kernel metadata: each build is a Python call and a driver call (cuTensorMapEncodeTiled)."""
+    kept = d.__dict__.get("launch_args")
+    if kept is None:
         return nvidia_driver.make_tensordesc_arg(d, meta)
-    kept = d.__dict__.setdefault("_launch_args", {})
     args = kept.get(id(meta))
-    if args is None or args[0] is not meta:
+    if args is None:  # the entry holds meta itself, so its id stays unique while the entry lives
         args = kept[id(meta)] = (meta, nvidia_driver.make_tensordesc_arg(d, meta))
     return args[1]
+
+
+def keep_launch_args(d):
+    """Mark descriptor ``d`` (whose geometry and base will not change) to keep its launcher arguments per kernel
+    (``_descriptor_args``). Returns d."""
+    d.launch_args = {}
+    return d
 
 
 def _aligned(tensors) -> tuple:

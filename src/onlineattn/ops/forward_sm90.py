@@ -44,7 +44,7 @@ from triton.language.core import _aggregate as aggregate
 
 from ._common import LOG2E
 from . import _launch as launch_cache
-from ._launch import bounded_put, cdiv, start
+from ._launch import bounded_put, cdiv, keep_launch_args, start
 
 ROWS_PER_WARPGROUP = 64
 O_COLUMNS = 128  # an O store's box width (d = 256 stores two halves: a whole-row buffer would not fit)
@@ -616,7 +616,7 @@ def descriptor(x, block: tuple) -> TensorDescriptor:
     if kept is None:
         kept = TensorDescriptor.from_tensor(x, list(block), _shared_layout(block, x.dtype))  # checks the geometry
         kept.base = _Address(key[0], x.dtype)
-        bounded_put(_DESCRIPTORS, key, kept, MAX_DESCRIPTORS)
+        bounded_put(_DESCRIPTORS, key, keep_launch_args(kept), MAX_DESCRIPTORS)
     return kept
 
 
