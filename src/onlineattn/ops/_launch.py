@@ -203,9 +203,13 @@ def _globals_unchanged(kernel) -> bool:
 
 def _run(compiled, grid: tuple, device, values: tuple) -> None:
     """Launch ``compiled`` with the bound argument values, as ``run`` does (Triton 3.6's launcher convention)."""
-    n = len(grid)
-    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, driver.active.get_current_stream(device),
-                 compiled.function, compiled.packed_metadata, None, None, None, *values)
+    compiled.run(*_grid3(grid), driver.active.get_current_stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *values)
+
+
+def _grid3(grid: tuple) -> tuple:
+    """A grid of one to three dims as the launcher's three (missing dims 1)."""
+    return grid + (1,) * (3 - len(grid)) if len(grid) < 3 else grid
 
 
 class Relaunch:
@@ -261,9 +265,7 @@ class Relaunch:
                 args.append(x)
             else:
                 args.extend(_descriptor_args(x, meta))
-        n = len(grid)
-        launcher(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
-                 driver.active.get_current_stream(self.device), *fixed, *args, *self.rest)
+        launcher(*_grid3(grid), driver.active.get_current_stream(self.device), *fixed, *args, *self.rest)
 
 
 _TENSOR = object()  # in a direct launch's per-array metadata: a tensor, passed as it is

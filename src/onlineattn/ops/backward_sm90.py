@@ -795,7 +795,8 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
                          "not persistent")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    num_tiles = cdiv(sk, tile.block_n) * b * hkv
+    blocks = cdiv(sk, tile.block_n)  # key blocks per (batch, kv head)
+    num_tiles = blocks * b * hkv
     group = 1 if tile.dq_ordered else head_group
     grid = (programs(sq, sk, b * hkv, hq // hkv, causal, tile.block_m, tile.block_n, group, _sm_count(q.device))
             if tile.persistent else num_tiles,)
@@ -810,7 +811,6 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
                 or not dq_sem.is_contiguous():
             raise ValueError(f"dq_sem: contiguous int32 [B, Hq, row tiles] = {(b, hq, rows_per_batch // tile.block_m)}, "
                              f"not {dq_sem.dtype} {tuple(dq_sem.shape)}")
-        blocks = cdiv(sk, tile.block_n)
         if blocks > ordered_blocks(q.device):  # a (batch, kv head)'s programs wait on each other: all resident
             raise ValueError(f"config: dq_ordered needs all {blocks} key blocks of a (batch, kv head) resident at "
                              f"once, and this device runs {ordered_blocks(q.device)}")

@@ -610,14 +610,18 @@ def descriptor(x, block: tuple) -> TensorDescriptor:
     step's recycled buffers, a benchmark loop) reuses it instead of building and checking a new one (2-3 µs each on
     the H200 machine's CPU, NOTES v24). ``ONLINEATTN_LAUNCH_CACHE=0`` builds every one afresh, as before."""
     if not launch_cache.enabled:
-        return TensorDescriptor.from_tensor(x, list(block), _shared_layout(block, x.dtype))
+        return _build(x, block)
     key = (x.data_ptr(), x.shape, x.stride(), x.dtype, block)
     kept = _DESCRIPTORS.get(key)
     if kept is None:
-        kept = TensorDescriptor.from_tensor(x, list(block), _shared_layout(block, x.dtype))  # checks the geometry
+        kept = _build(x, block)  # checks the geometry
         kept.base = _Address(key[0], x.dtype)
         bounded_put(_DESCRIPTORS, key, keep_launch_args(kept), MAX_DESCRIPTORS)
     return kept
+
+
+def _build(x, block: tuple) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(x, list(block), _shared_layout(block, x.dtype))
 
 
 def descriptors(q, k, v, o, cfg) -> tuple:
