@@ -189,6 +189,25 @@ def test_delta_pass_matches_torch(with_dlse):
     torch.testing.assert_close(delta, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tile", [0, 64, 128])
+def test_delta_pass_zeroes_what_a_fused_dq_needs(tile):
+    """Beside delta, the preprocess kernel zeroes a fused dQ's scratch (``_Zero``): the float32 accumulator's rows
+    below Sq (``[B, rows, Hq, D]``, padding rows past Sq left as they were), or the int32 counters of every
+    ``tile``-row tile (``[B, Hq, tiles]``), and nothing else."""
+    o, _, _, do = _case(2, 150, 5, 3, 3, 40, 40, torch.float16, seed=43)
+    delta = torch.empty(2, 3, 150, device=DEVICE)
+    if tile:
+        tiles = -(-150 // tile)
+        memory = torch.full((2 * 3 * tiles + 1,), 7, dtype=torch.int32, device=DEVICE)
+        B._preprocess(o, do, torch.zeros_like(delta), None, delta, B._Zero(memory[:-1], tiles, False, tile))
+        assert not memory[:-1].any() and memory[-1] == 7
+    else:
+        memory = torch.full((2, 192, 3, 40), float("nan"), device=DEVICE)
+        B._preprocess(o, do, torch.zeros_like(delta), None, delta, B._Zero(memory, 192, True, 0))
+        assert not memory[:, :150].any() and memory[:, 150:].isnan().all()
+    torch.testing.assert_close(delta, (do.float() * o.float()).sum(-1).transpose(1, 2), rtol=1e-5, atol=1e-5)
+
+
 def test_backward_op_schema_and_fake():
     q, k, v, do = _case(1, 9, 13, 4, 2, 40, 24, torch.float16, seed=15)
     o, lse = F.forward(q, k, v, 0.25, True)

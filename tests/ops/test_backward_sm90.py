@@ -504,8 +504,10 @@ def test_repeat_relaunches_bitwise(causal, d, fused, ordered, monkeypatch):
 def test_ordered_dq_needs_no_zeroed_accumulator(shape, causal, monkeypatch):
     """The ordered tile's first add to each row tile stores, so its float32 accumulator is not zeroed: filled with
     NaN here past the row tiles no key block sees (causal, whole tiles above every key's diagonal), dQ comes out
-    the same bits, through the full path and a repeat. Shapes: Sk > Sq, Sq > Sk by more and by less than a row
-    tile, square, and one row tile under 8 key blocks (non-causal blocks then all start at it)."""
+    the same bits, through the full path and a repeat. Its counters come from the allocation unzeroed (poisoned
+    here with a count past every turn, under which the adds would go in no order): the preprocess kernel zeroes
+    them, and each ends at its row tile's adds, as in a clean call. Shapes: Sk > Sq, Sq > Sk by more and by less
+    than a row tile, square, and one row tile under 8 key blocks (non-causal blocks then all start at it)."""
     b, sq, sk, hq, hkv, d = shape
     g = torch.Generator().manual_seed(sum(shape) + causal)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", torch.bfloat16)
@@ -513,24 +515,69 @@ def test_ordered_dq_needs_no_zeroed_accumulator(shape, causal, monkeypatch):
     o, lse = F.forward(q, k, v, 0.1, causal)
     cfg = replace(bwd_config(d, d, torch.bfloat16, "cuda", causal=causal),
                   dkdv=fused_dq_tile(d, ordered=True, causal=causal))
+    made, counters = B._dq_accumulator, []
+
+    def clean(dq, tile, causal, seqlen_k):
+        acc, sem, zero = made(dq, tile, causal, seqlen_k)
+        counters.append(sem)
+        return acc, sem, zero
+
+    monkeypatch.setattr(B, "_dq_accumulator", clean)
     want = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg)
-    made = B._dq_accumulator
+    adds = counters[-1].clone()
 
     def poisoned(dq, tile, causal, seqlen_k):
-        acc, sem = made(dq, tile, causal, seqlen_k)
+        acc, sem, zero = made(dq, tile, causal, seqlen_k)
         unseen = max(sq - sk, 0) // tile.block_m * tile.block_m if causal else 0
         assert not acc[:, :unseen].any()
         acc[:, unseen:] = float("nan")
-        return acc, sem
+        sem.fill_(1 << 20)
+        counters.append(sem)
+        return acc, sem, zero
 
     monkeypatch.setattr(B, "_dq_accumulator", poisoned)
     monkeypatch.setattr(B, "_STEPS", {})
     for _ in range(2):  # the full path, then a repeat of its kept launches
         got = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg)
         assert all(torch.equal(x, y) for x, y in zip(got, want))
+        assert torch.equal(counters[-1], adds)
     assert len(B._STEPS) == 1
     if causal and sq > sk:
         assert not want[0][:, : sq - sk].any()
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", [(1, 700, 1300, 4, 2, 128), (2, 1300, 700, 4, 2, 128), (1, 1000, 1000, 4, 2, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_unordered_dq_accumulator_is_zeroed_by_the_delta_pass(shape, causal, monkeypatch):
+    """The fused tile that adds dQ in any order needs its float32 accumulator zeroed: it comes from the allocation
+    filled with NaN here (padding rows too), and the preprocess kernel zeroes its rows below Sq before the dK/dV
+    kernel adds into them. dQ matches a clean call's up to float32 summation order (dK and dV, summed in
+    registers, bit for bit), through the full path and a repeat. Shapes: Sk > Sq, Sq > Sk by more than a row tile
+    (rows no key block sees), d = 64's 128-row tiles."""
+    b, sq, sk, hq, hkv, d = shape
+    g = torch.Generator().manual_seed(sum(shape) + causal)
+    q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", torch.bfloat16)
+                   for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+    o, lse = F.forward(q, k, v, 0.1, causal)
+    cfg = replace(bwd_config(d, d, torch.bfloat16, "cuda", causal=causal), dkdv=fused_dq_tile(d, causal=causal))
+    want = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg, deterministic=False)
+    made = B._dq_accumulator
+
+    def poisoned(dq, tile, causal, seqlen_k):
+        acc, sem, zero = made(dq, tile, causal, seqlen_k)
+        acc.fill_(float("nan"))
+        return acc, sem, zero
+
+    monkeypatch.setattr(B, "_dq_accumulator", poisoned)
+    monkeypatch.setattr(B, "_STEPS", {})
+    for _ in range(2):  # the full path, then a repeat of its kept launches
+        got = B.backward(do, q, k, v, o, lse, 0.1, causal, config=cfg, deterministic=False)
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2**-7, atol=1e-6)
+    assert len(B._STEPS) == 1
 
 
 @gpu

@@ -3,7 +3,8 @@
 Read top-down: three kernels (and a fused dQ's scaling pass), then the launcher.
 
 1. ``attention_bwd_preprocess_kernel``: ``delta = rowsum(dO ∘ O)`` in float32 (minus the gradient flowing into lse,
-   which enters dS the same way: ``dS = P ∘ (dP − delta + dlse)``). Only where no dQ kernel runs (``fused_dq``).
+   which enters dS the same way: ``dS = P ∘ (dP − delta + dlse)``). Only where no dQ kernel runs (``fused_dq``); it
+   also zeroes what the fused dQ needs zeroed (``_dq_accumulator``), which saves a launch per call.
 2. ``attention_bwd_dkdv_kernel``: a program owns ``BLOCK_N`` keys of one (batch, kv head) and loops over the query
    rows of every head in its GQA group, recomputing ``P`` from lse. The group's sum lands in registers, so dK and dV
    need no atomics and no per-head copies.
@@ -32,6 +33,8 @@ memory for the dV and dK dots. This is what lets d = 256 hold 64 keys with 8 war
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -62,13 +65,18 @@ PREPROCESS_ROWS = 64  # rows per program of the delta pass: it streams O and dO 
 
 @triton.jit
 def attention_bwd_preprocess_kernel(
-    O, DO, DLSE, DELTA,
+    O, DO, DLSE, DELTA, ZERO,
     stride_ob, stride_os, stride_oh,
     stride_dob, stride_dos, stride_doh,
     stride_lb, stride_lh,
-    seqlen_q, heads_q,
+    seqlen_q, heads_q, zero_rows,
     HEAD_DIM_V: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr,
+    ZERO_ROWS: tl.constexpr, ZERO_TILE: tl.constexpr,
 ):
+    """Delta of ``BLOCK_M`` rows of one (batch, head); and, for a fused dQ, zeroes in ``ZERO``: with ``ZERO_ROWS``
+    these rows of the float32 accumulator (``[B, zero_rows, Hq, Dv]``; rows past Sq are padding no pass reads),
+    with ``ZERO_TILE`` the int32 counter of each ``ZERO_TILE``-row tile that starts among these rows
+    (``[B, Hq, zero_rows]``: zero_rows tiles), else nothing."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // heads_q).to(tl.int64)
@@ -81,6 +89,13 @@ def attention_bwd_preprocess_kernel(
                    other=0.0)
     p_o = O + off_b * stride_ob + o_i[:, None] * stride_os + off_h * stride_oh + o_dv[None, :]
     _store_delta(p_o, b_do, m_o, DELTA, DLSE, off_b, off_h, o_i, m_i, stride_lb, stride_lh, HAS_DLSE)
+    if ZERO_ROWS:
+        p_z = ZERO + ((off_b * zero_rows + o_i[:, None]) * heads_q + off_h) * HEAD_DIM_V + o_dv[None, :]
+        tl.store(p_z, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), mask=m_o)
+    if ZERO_TILE > 0:
+        tl.static_assert(ZERO_TILE % BLOCK_M == 0, "a counted tile spans whole programs")
+        if (pid_m * BLOCK_M) % ZERO_TILE == 0:
+            tl.store(ZERO + pid_bh.to(tl.int64) * zero_rows + pid_m * BLOCK_M // ZERO_TILE, 0)
 
 
 @triton.jit
@@ -561,19 +576,21 @@ def ws_ok(do, q, k, v, mods: Mods) -> bool:
             and tma_aligned(k, v, do))
 
 
-def _preprocess(o, do, lse, dlse, delta, keep: bool = False):
-    """``delta = rowsum(dO ∘ O) − dlse`` for o, do ``[B, Sq, Hq, Dv]`` into delta ``[B, Hq, Sq]`` (lse's layout).
-    Returns ``(grid, Relaunch)`` of the launch: with ``keep`` the Relaunch to repeat it (None where it cannot be
-    kept), else None."""
+def _preprocess(o, do, lse, dlse, delta, zero=None, keep: bool = False):
+    """``delta = rowsum(dO ∘ O) − dlse`` for o, do ``[B, Sq, Hq, Dv]`` into delta ``[B, Hq, Sq]`` (lse's layout),
+    and, for a fused dQ, the zeroing ``zero`` says (``_Zero``: what ``_dq_accumulator`` needs zeroed). Returns
+    ``(grid, Relaunch)`` of the launch: with ``keep`` the Relaunch to repeat it (None where it cannot be kept), else
+    None."""
     b, sq, hq, dv_dim = o.shape
+    zero = zero or _Zero(delta, 0, False, 0)
     grid = (cdiv(sq, PREPROCESS_ROWS), b * hq)
-    arrays = _pre_arrays(o, do, lse, dlse, delta)
+    arrays = _pre_arrays(o, do, lse, dlse, delta, zero.memory)
     return grid, start(
         keep, attention_bwd_preprocess_kernel, grid, len(arrays), *arrays,
         *o.stride()[:3], *do.stride()[:3], *delta.stride()[:2],
-        sq, hq,
+        sq, hq, zero.rows,
         HEAD_DIM_V=dv_dim, BLOCK_M=PREPROCESS_ROWS, BLOCK_DV=max(16, next_power_of_2(dv_dim)),
-        HAS_DLSE=dlse is not None,
+        HAS_DLSE=dlse is not None, ZERO_ROWS=zero.accumulator, ZERO_TILE=zero.tile,
     )
 
 
@@ -606,8 +623,8 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
     head_group = bwd_head_group(b * hkv, common["CAUSAL"])
     t = cfg.dkdv
     if t.gluon and t.fused_dq:  # dQ comes with dK and dV: delta first, and after them the pass that scales dQ
-        pre = _preprocess(o, do, lse, dlse, delta, keep)
-        dq_acc, dq_sem = _dq_accumulator(dq, t, causal, sk)
+        dq_acc, dq_sem, zero = _dq_accumulator(dq, t, causal, sk)
+        pre = _preprocess(o, do, lse, dlse, delta, zero, keep)
         dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep, dq_acc=dq_acc,
                                          dq_sem=dq_sem, head_group=head_group)
         return pre, dkdv, _scale_dq(dq_acc, scale, dq, keep)
@@ -642,9 +659,10 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
     return None, dkdv, (grid_dq, dq_kernel)
 
 
-def _pre_arrays(o, do, lse, dlse, delta) -> tuple:
-    """The preprocess kernel's array arguments, in its order (the full path's launch and a kept launch's repeat)."""
-    return o, do, _dlse_arg(lse, dlse), delta
+def _pre_arrays(o, do, lse, dlse, delta, zero) -> tuple:
+    """The preprocess kernel's array arguments, in its order (the full path's launch and a kept launch's repeat):
+    ``zero`` the memory it zeroes (delta standing in, unwritten, where it zeroes nothing)."""
+    return o, do, _dlse_arg(lse, dlse), delta, zero
 
 
 def _dq_arrays(q, k, v, do, lse, delta, dq, o, dlse) -> tuple:
@@ -657,24 +675,36 @@ def _dlse_arg(lse, dlse):
     return lse if dlse is None else dlse
 
 
+class _Zero(NamedTuple):
+    """What the preprocess kernel zeroes for a fused dQ: ``memory`` (float32 or int32), with ``accumulator`` the
+    rows below Sq of a float32 accumulator of ``rows`` rows per batch entry, else with ``tile`` > 0 the int32
+    counters of ``tile``-row tiles (``rows`` of them per (batch, head)); nothing where neither."""
+
+    memory: torch.Tensor
+    rows: int
+    accumulator: bool
+    tile: int
+
+
 def _dq_accumulator(dq, tile, causal: bool, seqlen_k: int):
     """Float32 dQ ``[B, Sq rounded up to the row tile, Hq, D]`` for a ``fused_dq`` kernel's TMA copies (dq's own
-    layout: the scaling pass reads it contiguously), zeroed, and for a ``dq_ordered`` one its zeroed int32 counters
-    ``[B, Hq, row tiles]`` (else None), from one allocation. The ordered kernel stores each row tile's first add, so
-    its accumulator is zeroed only in the row tiles no key block sees (causal, whole tiles above every key's
-    diagonal: Sq - Sk rows and more)."""
+    layout: the scaling pass reads it contiguously), and for a ``dq_ordered`` one its int32 counters ``[B, Hq, row
+    tiles]`` (else None), from one allocation; and the ``_Zero`` the preprocess kernel, which runs before the dK/dV
+    kernel, applies: the accumulator's rows below Sq for the adds in any order, the counters for the ordered ones.
+    The ordered kernel stores each row tile's first add, so its accumulator is zeroed (here) only in the row tiles
+    no key block sees (causal, whole tiles above every key's diagonal: Sq - Sk rows and more)."""
     b, sq, hq, d = dq.shape
     tiles = cdiv(sq, tile.block_m)
     n_acc, n_sem = b * tiles * tile.block_m * hq * d, b * hq * tiles if tile.dq_ordered else 0
-    if not tile.dq_ordered:
-        return torch.zeros(n_acc, dtype=torch.float32, device=dq.device).view(b, tiles * tile.block_m, hq, d), None
     buf = torch.empty(n_acc + n_sem, dtype=torch.float32, device=dq.device)
-    dq_acc, sem = buf[:n_acc].view(b, tiles * tile.block_m, hq, d), buf[n_acc:]
-    sem.zero_()
+    dq_acc = buf[:n_acc].view(b, tiles * tile.block_m, hq, d)
+    if not tile.dq_ordered:
+        return dq_acc, None, _Zero(dq_acc, tiles * tile.block_m, True, 0)
+    sem = buf[n_acc:].view(torch.int32)
     unseen = (sq - seqlen_k) // tile.block_m * tile.block_m if causal else 0
     if unseen > 0:
         dq_acc[:, :unseen].zero_()
-    return dq_acc, sem.view(torch.int32).view(b, hq, tiles)
+    return dq_acc, sem.view(b, hq, tiles), _Zero(sem, tiles, False, tile.block_m)
 
 
 SCALE_ELEMENTS = 8192  # float32 values a program of the dQ scaling pass reads (32 KiB): a streaming pass
@@ -752,7 +782,7 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
         k_arg, v_arg = descriptor(k, keys, 1, block_d), descriptor(v, keys, 1, block_dv)
     (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.dkdv, step.dq
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    dq_acc, dq_sem = _dq_accumulator(dq, step.cfg.dkdv, causal, k.shape[1]) if fused else (None, None)
+    dq_acc, dq_sem, zero = _dq_accumulator(dq, step.cfg.dkdv, causal, k.shape[1]) if fused else (None, None, None)
     if step.cfg.dkdv.gluon:
         descriptors = backward_sm90.descriptors(q, k, v, do, dk, dv, step.cfg.dkdv)
         dq_arg = backward_sm90.dq_descriptor(dq_acc, step.cfg.dkdv, q.shape[-1], q.device)
@@ -760,7 +790,8 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
     else:
         arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
     if fused:
-        (grid_pre, pre), arrays_pre, arrays_dq = step.pre, _pre_arrays(o, do, lse, dlse, delta), (dq_acc, dq)
+        (grid_pre, pre), arrays_pre, arrays_dq = step.pre, _pre_arrays(o, do, lse, dlse, delta, zero.memory), (
+            dq_acc, dq)
         if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and dq_kernel.ready(arrays_dq)):
             return False
         pre.go(grid_pre, arrays_pre)
