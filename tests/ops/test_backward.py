@@ -208,6 +208,37 @@ def test_delta_pass_zeroes_what_a_fused_dq_needs(tile):
     torch.testing.assert_close(delta, (do.float() * o.float()).sum(-1).transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
+def _nan_scratch(make, *args):
+    """``make(*args)`` (backward's ``_dq_accumulator``) with every ``torch.empty`` it calls filled with NaN, as
+    memory fresh from the allocator may be: whatever it leaves unzeroed shows."""
+    empty = torch.empty
+    torch.empty = lambda *a, **kw: empty(*a, **kw).fill_(float("nan"))
+    try:
+        return make(*args)
+    finally:
+        torch.empty = empty
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("ordered", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_fused_dq_scratch_is_zeroed_before_the_kernel(d, ordered, causal):
+    """What ``_dq_accumulator`` returns (from NaN-filled memory) once the delta pass has run with its ``_Zero``:
+    the ordered tile's counters all zero, and its accumulator zero only in the rows no key block sees (causal,
+    Sq - Sk = 150: one 128-row or two 64-row tiles) since its first adds store; the unordered tile's accumulator
+    zero below Sq, its padding rows as they came. d = 64 runs 128-row tiles, d = 128 64-row ones."""
+    from onlineattn.ops._configs import fused_dq_tile
+
+    tile = fused_dq_tile(d, ordered, causal=causal)
+    o, _, _, do = _case(2, 300, 150, 3, 3, d, d, torch.float16, seed=44)
+    acc, sem, zero = _nan_scratch(B._dq_accumulator, torch.empty_like(o), tile, causal, 150)
+    delta = torch.empty(2, 3, 300, device=DEVICE)
+    B._preprocess(o, do, torch.zeros_like(delta), None, delta, zero)
+    zeroed = (150 // tile.block_m * tile.block_m if causal else 0) if ordered else 300
+    assert not acc[:, :zeroed].any() and acc[:, zeroed:].isnan().all()
+    assert (sem is not None) == ordered and (sem is None or not sem.any())
+
+
 def test_backward_op_schema_and_fake():
     q, k, v, do = _case(1, 9, 13, 4, 2, 40, 24, torch.float16, seed=15)
     o, lse = F.forward(q, k, v, 0.25, True)

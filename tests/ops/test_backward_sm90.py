@@ -20,7 +20,7 @@ from onlineattn.ops._configs import (
     _BWD_WS_DKDV, _BWD_WS_DQ, BWD_FUSED_DQ_MIN_KEYS, BWD_FUSED_DQ_ROWS, BWD_ORDERED_DQ_MIN_KEYS, BWD_ORDERED_LAST_BLOCK_FIRST,
     BWD_EARLY_DV, BWD_PERSISTENT, BWD_WS_MIN_KEYS, bwd_config, fused_dq_tile,
 )
-from tests.ops.test_backward import _baseline_grads
+from tests.ops.test_backward import _baseline_grads, _nan_scratch
 
 ROOT = Path(__file__).resolve().parents[2]
 sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
@@ -503,8 +503,9 @@ def test_repeat_relaunches_bitwise(causal, d, fused, ordered, monkeypatch):
                          ids=lambda s: "x".join(map(str, s)))
 def test_ordered_dq_needs_no_zeroed_accumulator(shape, causal, monkeypatch):
     """The ordered tile's first add to each row tile stores, so its float32 accumulator is not zeroed: filled with
-    NaN here past the row tiles no key block sees (causal, whole tiles above every key's diagonal), dQ comes out
-    the same bits, through the full path and a repeat. Its counters come from the allocation unzeroed (poisoned
+    NaN here (it comes from NaN-filled memory, and those row tiles must come back zeroed) past the row tiles no
+    key block sees (causal, whole tiles above every key's diagonal), dQ comes out the same bits, through the full
+    path and a repeat. Its counters come from the allocation unzeroed (poisoned
     here with a count past every turn, under which the adds would go in no order): the preprocess kernel zeroes
     them, and each ends at its row tile's adds, as in a clean call. Shapes: Sk > Sq, Sq > Sk by more and by less
     than a row tile, square, and one row tile under 8 key blocks (non-causal blocks then all start at it)."""
@@ -527,7 +528,7 @@ def test_ordered_dq_needs_no_zeroed_accumulator(shape, causal, monkeypatch):
     adds = counters[-1].clone()
 
     def poisoned(dq, tile, causal, seqlen_k):
-        acc, sem, zero = made(dq, tile, causal, seqlen_k)
+        acc, sem, zero = _nan_scratch(made, dq, tile, causal, seqlen_k)
         unseen = max(sq - sk, 0) // tile.block_m * tile.block_m if causal else 0
         assert not acc[:, :unseen].any()
         acc[:, unseen:] = float("nan")

@@ -4,7 +4,8 @@ Read top-down: three kernels (and a fused dQ's scaling pass), then the launcher.
 
 1. ``attention_bwd_preprocess_kernel``: ``delta = rowsum(dO ∘ O)`` in float32 (minus the gradient flowing into lse,
    which enters dS the same way: ``dS = P ∘ (dP − delta + dlse)``). Only where no dQ kernel runs (``fused_dq``); it
-   also zeroes what the fused dQ needs zeroed (``_dq_accumulator``), which saves a launch per call.
+   also zeroes what the fused dQ needs zeroed (``_dq_accumulator``), so no memset is launched for it (one still is
+   for the ordered tile's rows no key block sees: causal, Sq > Sk by a row tile or more).
 2. ``attention_bwd_dkdv_kernel``: a program owns ``BLOCK_N`` keys of one (batch, kv head) and loops over the query
    rows of every head in its GQA group, recomputing ``P`` from lse. The group's sum lands in registers, so dK and dV
    need no atomics and no per-head copies.
@@ -583,6 +584,8 @@ def _preprocess(o, do, lse, dlse, delta, zero=None, keep: bool = False):
     None."""
     b, sq, hq, dv_dim = o.shape
     zero = zero or _Zero(delta, 0, False, 0)
+    if zero.accumulator and zero.memory.shape[-1] != dv_dim:  # the kernel zeroes Dv columns of each row
+        raise ValueError(f"zero: the accumulator's head dim must be o's {dv_dim}, not {zero.memory.shape[-1]}")
     grid = (cdiv(sq, PREPROCESS_ROWS), b * hq)
     arrays = _pre_arrays(o, do, lse, dlse, delta, zero.memory)
     return grid, start(
@@ -790,8 +793,8 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
     else:
         arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
     if fused:
-        (grid_pre, pre), arrays_pre, arrays_dq = step.pre, _pre_arrays(o, do, lse, dlse, delta, zero.memory), (
-            dq_acc, dq)
+        (grid_pre, pre), arrays_dq = step.pre, (dq_acc, dq)
+        arrays_pre = _pre_arrays(o, do, lse, dlse, delta, zero.memory)
         if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and dq_kernel.ready(arrays_dq)):
             return False
         pre.go(grid_pre, arrays_pre)

@@ -758,9 +758,10 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     and delta (``[B, Hq, Sq]``, last dim contiguous; from the dQ kernel, or from the preprocess kernel before a fused
     dQ) into ``dk``/``dv`` (any float dtype, last dim contiguous; by TMA stores where ``stores_by_tma``, else from
     registers). A ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Sq rounded
-    up to the row tile, Hq, D]``, contiguous, zeroed by the caller); a ``dq_ordered`` one adds in a fixed order,
-    counting the adds in ``dq_sem`` (int32 ``[B, Hq, row tiles]``, zeroed), and stores its first add to each row
-    tile, so ``dq_acc`` needs zeroing only in the rows no key block sees (causal, Sq > Sk). ``head_group``: the
+    up to the row tile, Hq, D]``, contiguous, its rows below Sq zeroed before this launch: backward.py's delta pass
+    does it; padding rows may hold anything); a ``dq_ordered`` one adds in a fixed order, counting the adds in
+    ``dq_sem`` (int32 ``[B, Hq, row tiles]``, zeroed likewise), and stores its first add to each row tile, so
+    ``dq_acc`` needs zeroing only in the rows no key block sees (causal, Sq > Sk). ``head_group``: the
     (batch, kv head) columns launched interleaved (``_configs.bwd_head_group``; 1 for ``dq_ordered``, whose waits
     need a head's programs launched together). Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept
     for repeats with new arrays (``descriptors(q, k, v, do, dk, dv, tile), lse, delta, dk, dv, dq_descriptor(dq_acc,
