@@ -282,3 +282,49 @@ def test_compiled_training_step_on_the_torch_path_has_no_graph_break():
     step(*eager).backward()
     for a, b in zip(compiled, eager):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("d,n,hkv,causal,deterministic", [
+    (128, 512, 4, True, True),  # on sm_90: the fused dQ, adds ordered by counters the delta pass zeroes
+    (128, 512, 4, False, False),  # the fused dQ's adds in any order, its sum zeroed by the delta pass; persistent
+    (64, 1024, 4, False, True),  # the Gluon dK/dV tile beside the Triton dQ kernel
+    (256, 512, 4, True, True),  # d = 256: the split dK/dV tile, the dQ kernel's K/V through descriptors
+    (128, 640, 2, True, True),  # GQA, a length off the tiles
+], ids=str)
+def test_training_step_replays_from_a_cuda_graph(d, n, hkv, causal, deterministic):
+    """A training step (forward and backward) captured in one CUDA graph, after warm-up on a side stream as
+    ``torch.cuda.graph`` asks, and replayed on new data copied into its inputs: the output and gradients equal an
+    eager step's on that data (dQ up to float32 summation order where its adds go in any order). The small-N
+    training steps whose host time is as long as their kernels (benchmarks/NOTES.md v25-v26) run this way."""
+    gen = torch.Generator(device="cuda").manual_seed(d + n + hkv)
+    make = lambda h: torch.randn(2, n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    leaves = [make(h).requires_grad_() for h in (4, hkv, hkv)]
+    do = make(4)
+
+    def step(q, k, v, do):
+        o = onlineattn.attention(q, k, v, causal=causal, deterministic=deterministic)
+        return (o, *torch.autograd.grad(o, (q, k, v), do))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step(*leaves, do)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step(*leaves, do)
+    for _ in range(2):
+        fresh = [make(h) for h in (4, hkv, hkv, 4)]
+        with torch.no_grad():
+            for x, y in zip((*leaves, do), fresh):
+                x.copy_(y)
+        graph.replay()
+        want = step(*(x.clone().requires_grad_() for x in fresh[:3]), fresh[3])
+        for name, got, ref in zip(("o", "dq", "dk", "dv"), captured, want):
+            if name == "dq" and not deterministic:
+                torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=1e-6)
+            else:
+                assert torch.equal(got, ref), name
