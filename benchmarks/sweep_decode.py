@@ -25,7 +25,7 @@ import torch
 import triton.testing
 
 from onlineattn.api import attention_with_kvcache as api_call
-from onlineattn.bench.decode import time_cold
+from onlineattn.bench.rows import time_cold
 from onlineattn.ops import _configs as C
 from onlineattn.ops.decode import _sm_count
 from onlineattn.ops.decode import attention_with_kvcache as kernel_call

@@ -29,23 +29,6 @@ def test_timing_modes_are_exclusive_and_name_the_provider():
     assert B.TIMINGS == {"eager": "", "graph": "+graph", "cold": "+cold"}
 
 
-@pytest.mark.gpu
-def test_cold_timing_times_the_device_work():
-    """80 µs of host work before a launch, longer than do_bench's L2 clear (~66 µs on the H200) but shorter than the
-    clear plus the ~100 µs hold, adds nothing to what ``time_cold`` reads."""
-    import time
-
-    def slow_host():
-        end = time.perf_counter() + 80e-6
-        while time.perf_counter() < end:
-            pass
-        torch.cuda._sleep(20_000)
-
-    fast = B.time_cold(lambda: torch.cuda._sleep(20_000), reps=50)
-    slow = B.time_cold(slow_host, reps=50)
-    assert slow < fast + 0.01, (fast, slow)
-
-
 def test_synchronising_providers_are_not_timed_cold_or_in_a_graph(monkeypatch, capsys):
     """onlineattn-checked reads lengths back to the host inside the call: n/a under --cold and --cuda-graph, before
     anything is built or timed."""

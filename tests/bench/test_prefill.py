@@ -76,7 +76,7 @@ def test_first_case_is_timed_once_and_dropped_before_the_grid(monkeypatch):
     unrecorded, before the grid; the rows are the grid's."""
     calls = []
 
-    def timed(fn, mode, q, k, v, causal):
+    def timed(fn, mode, q, k, v, causal, cold):
         calls.append((fn.__name__, mode, q.shape[1]))
         return 1.0
 
@@ -91,7 +91,7 @@ def test_first_case_is_timed_once_and_dropped_before_the_grid(monkeypatch):
 
 
 def test_settling_leaves_a_failing_peer_to_the_grid_and_stops_on_ours(monkeypatch):
-    def timed(fn, mode, q, k, v, causal):
+    def timed(fn, mode, q, k, v, causal, cold):
         if fn.__name__ == "run":  # sdpa-math's function: a peer that fails
             raise RuntimeError("peer failed")
         return 1.0
@@ -104,3 +104,30 @@ def test_settling_leaves_a_failing_peer_to_the_grid_and_stops_on_ours(monkeypatc
     monkeypatch.setattr(P, "_timed", lambda *a: (_ for _ in ()).throw(RuntimeError("ours failed")))
     with pytest.raises(RuntimeError, match="ours failed"):
         P._settle(P.grid((64,), (512,), (False,))[0], {"onlineattn": P._ours}, ("fwd",), torch.float32)
+
+
+def test_cold_times_every_provider_cold_and_names_its_rows(monkeypatch):
+    """``--cold``: every provider's call (the settling pass's too) is timed by its device work alone, and the rows
+    say so in the provider's name; without it, none is."""
+    assert build_parser().parse_args(["bench", "prefill", "--cold"]).cold
+    assert not build_parser().parse_args(["bench", "prefill"]).cold
+    seen = []
+    monkeypatch.setattr(P, "_timed", lambda fn, mode, q, k, v, causal, cold: seen.append(cold) or 1.0)
+    monkeypatch.setattr(P, "_inputs", lambda case, dtype: tuple(torch.zeros(1, case.n, 1, 1) for _ in range(3)))
+    cases = P.grid((64,), (512,), (False,))
+    for cold in (True, False):
+        seen.clear()
+        rows = P.run(cases, ["onlineattn", "sdpa-math"], ("fwd", "bwd"), out=None, cold=cold)
+        assert seen == [cold] * 8
+        assert [r["provider"] for r in rows] == [p + ("+cold" if cold else "") for p in ["onlineattn", "sdpa-math"] * 2]
+
+
+def test_cold_timing_holds_the_gpu_longer_than_a_training_step_host_path(monkeypatch):
+    """Under ``--cold`` the hold before each call outlasts a backward step's host path (up to ~760 µs measured on the
+    H200 machine, NOTES v25): the call the bench times goes to ``time_cold`` with ``COLD_HOLD_CYCLES``."""
+    holds = []
+    monkeypatch.setattr(P, "time_cold", lambda call, hold_cycles: holds.append(hold_cycles) or 1.0)
+    monkeypatch.setattr(P, "warm_up_gpu", lambda: 0)
+    q = torch.zeros(1, 4, 1, 8)
+    assert P._timed(lambda q, k, v, causal: q * 2, "fwd", q, q, q, False, cold=True) == 1.0
+    assert holds == [P.COLD_HOLD_CYCLES] and P.COLD_HOLD_CYCLES / 1.98e9 > 1e-3  # over 1 ms at the boost clock

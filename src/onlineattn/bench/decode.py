@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from .progress import Progress
-from .rows import add_output_options, append_rows, environment, warm_up_gpu
+from .rows import add_output_options, append_rows, environment, time_cold, warm_up_gpu
 
 BATCHES = (1, 16, 64)
 LENGTHS = (4096, 32768, 131072)
@@ -133,27 +133,6 @@ TIMINGS = {"eager": "", "graph": "+graph", "cold": "+cold"}  # timing mode -> pr
 # --cold that wait outlasts the hold and the events time host work, and a graph cannot capture them, so neither
 # mode reports them.
 SYNCHRONISING = frozenset({"onlineattn-checked"})
-
-
-def time_cold(fn, reps: int = 200, warmup: int = 10) -> float:
-    """Median milliseconds of ``fn``'s device work with K/V in HBM: before each call the L2 is cleared (as in
-    ``do_bench``) and a ~100 µs sleep kernel is enqueued, so the host has enqueued the call before the GPU reaches
-    it and the events around it time the kernels alone."""
-    from triton import runtime
-
-    clear = runtime.driver.active.get_empty_cache_for_benchmark()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for _ in range(warmup):
-        fn()
-    for start, end in zip(starts, ends):
-        runtime.driver.active.clear_cache(clear)
-        torch.cuda._sleep(200_000)  # cycles: ~100 µs at the H200's clock, more than any host path here
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return sorted(start.elapsed_time(end) for start, end in zip(starts, ends))[reps // 2]
 
 
 def _time(fn, timing: str) -> float:

@@ -8,6 +8,11 @@ Peers: SDPA's flash, cuDNN, efficient and math backends; FlexAttention (``torch.
 shape under a raised recompile limit; a compile that fails or would fall back to eager gives no row); ``flash_attn``
 and ``flash_attn.cute`` where importable. A provider that cannot be set up here is named and left out of the run.
 
+``--cold`` times each call's device work alone (``rows.time_cold``: L2 cleared, then a sleep kernel holds the GPU
+while the host enqueues the call; providers named ``+cold``), for the short lengths where an eager call's host path
+(a training step's: several hundred µs on the H200 machine, NOTES v25-v26) is as long as its kernels and the
+default timing reads the host. Every provider, SDPA's included, is timed the same way in the run.
+
 ``--window W`` adds the provider ``onlineattn-windowW``: causal sliding-window attention where each query sees its W
 latest keys, itself included (``window_size=(W - 1, 0)``), timed in the same run as the full causal rows. Its rows
 carry ``"window": [W - 1, 0]`` and count the FLOPs of the visible pairs only, and the table prints its time as a
@@ -22,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .progress import Progress
-from .rows import add_output_options, append_rows, environment, warm_up_gpu
+from .rows import add_output_options, append_rows, environment, time_cold, warm_up_gpu
 
 HEAD_DIMS = (64, 128, 256)
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -31,6 +36,7 @@ QUICK_SEQLENS = (1024, 8192)
 FLEX_RECOMPILE_LIMIT = 256  # one compiled graph per (shape, mask): the full grid needs 36 per mode
 TOKENS = 16384
 HIDDEN = 2048
+COLD_HOLD_CYCLES = 4_000_000  # ~2 ms at the H200's clock: longer than a training step's host path (<1 ms, NOTES v26)
 
 
 @dataclass(frozen=True)
@@ -172,25 +178,27 @@ def available(names) -> dict:
     return found
 
 
-def _timed(fn, mode: str, q, k, v, causal) -> float:
-    """Median milliseconds of one forward, or of one backward alone (``autograd.grad`` with ``retain_graph``)."""
+def _timed(fn, mode: str, q, k, v, causal, cold: bool = False) -> float:
+    """Median milliseconds of one forward, or of one backward alone (``autograd.grad`` with ``retain_graph``), by
+    ``do_bench``, or with ``cold`` its device work alone (``time_cold``)."""
     import triton.testing
+
+    def timed(call):
+        call()  # compiles: then the warm-up, so the timing starts on a busy GPU
+        warm_up_gpu()
+        if cold:
+            return time_cold(call, hold_cycles=COLD_HOLD_CYCLES)
+        return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
 
     if mode == "fwd":
         with torch.no_grad():
-            fn(q, k, v, causal)  # compiles: then the warm-up, so the timing starts on a busy GPU
-            warm_up_gpu()
-            return triton.testing.do_bench(lambda: fn(q, k, v, causal), warmup=25, rep=100, return_mode="median")
+            return timed(lambda: fn(q, k, v, causal))
     q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
     o = fn(q, k, v, causal)
     do = torch.randn_like(o)
     if mode == "bwd":
-        step = lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-    else:
-        step = lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do)
-    step()
-    warm_up_gpu()
-    return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+        return timed(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True))
+    return timed(lambda: torch.autograd.grad(fn(q, k, v, causal), (q, k, v), do))
 
 
 def _inputs(case: Case, dtype) -> tuple:
@@ -200,7 +208,7 @@ def _inputs(case: Case, dtype) -> tuple:
     return tuple(torch.randn(shape, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
 
 
-def _settle(case: Case, fns: dict, modes, dtype) -> None:
+def _settle(case: Case, fns: dict, modes, dtype, cold: bool = False) -> None:
     """Time ``case`` once for every provider and mode, and drop the readings: the first point timed in a fresh
     process reads low, whichever provider runs it (d = 64, N = 512: ours read 331 and 334 TFLOP/s as a run's first
     point, 357.8 after another case and 356.7 after cuDNN's, NOTES v25), and the grid's first case would carry it.
@@ -211,7 +219,7 @@ def _settle(case: Case, fns: dict, modes, dtype) -> None:
             if mode == "fwd" and name in SAME_FORWARD:
                 continue
             try:
-                _timed(fn, mode, q, k, v, case.causal)
+                _timed(fn, mode, q, k, v, case.causal, cold)
             except Exception:  # noqa: BLE001 - the grid times this point again and reports what fails
                 if name.startswith("onlineattn"):
                     raise
@@ -219,18 +227,20 @@ def _settle(case: Case, fns: dict, modes, dtype) -> None:
 
 
 def run(cases, providers, modes, *, out: Path | None, commit: str | None = None, dtype=torch.bfloat16,
-        window: int | None = None):
+        window: int | None = None, cold: bool = False):
     """Measure every (case, mode, provider) of the providers available here; print a table; append rows to ``out``.
-    Returns the rows. With ``window``, the provider ``onlineattn-window{window}`` (causal sliding window) joins."""
+    Returns the rows. With ``window``, the provider ``onlineattn-window{window}`` (causal sliding window) joins;
+    with ``cold``, every provider's device work alone is timed and its rows are named ``+cold``."""
     env = environment(commit)
     fns = available(providers)
     if window is not None:
         fns[window_provider(window)] = _ours_window(window)
     rows = []
-    header = f"{'op':6} {'d':>4} {'c':>2} {'N':>6} {'B':>3} {'H':>3} " + " ".join(f"{p:>15}" for p in fns)
+    suffix = "+cold" if cold else ""
+    header = f"{'op':6} {'d':>4} {'c':>2} {'N':>6} {'B':>3} {'H':>3} " + " ".join(f"{p + suffix:>15}" for p in fns)
     print(header)
     if cases:
-        _settle(cases[0], fns, modes, dtype)
+        _settle(cases[0], fns, modes, dtype, cold)
     bar = Progress(len(cases) * len(modes) * len(fns), "prefill")
     for case in cases:
         q, k, v = _inputs(case, dtype)
@@ -243,7 +253,7 @@ def run(cases, providers, modes, *, out: Path | None, commit: str | None = None,
                     cells.append(f"{'(same)':>15}")
                     continue
                 try:
-                    ms = _timed(fn, mode, q, k, v, case.causal)
+                    ms = _timed(fn, mode, q, k, v, case.causal, cold)
                 except Exception as err:  # noqa: BLE001 - a peer that refuses the shape, runs out of memory, or
                     # fails to compile: that cell is n/a and the run goes on. Our own failures stop the run.
                     if name.startswith("onlineattn"):
@@ -256,7 +266,7 @@ def run(cases, providers, modes, *, out: Path | None, commit: str | None = None,
                 tflops = case.flops(mode, window if windowed else None) / ms / 1e9
                 cells.append(f"{tflops:15.1f}")
                 rows.append({
-                    **env, "op": mode, "provider": name, "dtype": str(dtype).replace("torch.", ""),
+                    **env, "op": mode, "provider": name + suffix, "dtype": str(dtype).replace("torch.", ""),
                     "B": case.b, "Hq": case.h, "Hkv": case.h, "Sq": case.n, "Sk": case.n, "d": case.d,
                     "causal": True if windowed else case.causal, "ms": round(ms, 5), "tflops": round(tflops, 2),
                     **({"window": [window - 1, 0]} if windowed else {}),
@@ -282,6 +292,8 @@ def add_parser(subparsers) -> None:
                    help="default: every one that is available here")
     p.add_argument("--quick", action="store_true",
                    help=f"about a minute: d in {QUICK_HEAD_DIMS}, N in {QUICK_SEQLENS} (unless --d/--n say otherwise)")
+    p.add_argument("--cold", action="store_true",
+                   help="time each call's device work alone, the GPU held ahead of the host: providers +cold")
     p.add_argument("--window", type=int, default=None, metavar="W",
                    help="also time causal sliding-window attention over the W latest keys (window_size=(W-1, 0))")
     add_output_options(p)
@@ -300,6 +312,6 @@ def main(args) -> int:
         print(f"--window must be at least 1, got {args.window}")
         return 2
     run(grid(head_dims, seqlens, causal), args.providers, modes, out=None if args.no_write else args.out,
-        commit=args.commit, window=args.window)
+        commit=args.commit, window=args.window, cold=args.cold)
     return 0
 

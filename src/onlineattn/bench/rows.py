@@ -1,6 +1,6 @@
 """What every ``onlineattn bench`` subcommand shares: a row's environment fields, the output options, the JSON-lines
-file that rows are appended to (ENGINEERING.md section 5; rows are never edited or deleted), and the GPU warm-up
-before each timed point."""
+file that rows are appended to (ENGINEERING.md section 5; rows are never edited or deleted), the GPU warm-up
+before each timed point, and the timing of a call's device work alone (``time_cold``: the ``+cold`` rows)."""
 
 from __future__ import annotations
 
@@ -75,3 +75,25 @@ def warm_up_gpu(seconds: float = WARM_UP_SECONDS) -> int:
         torch.cuda.synchronize()
     del a
     return done
+
+
+def time_cold(fn, reps: int = 200, warmup: int = 10, hold_cycles: int = 200_000) -> float:
+    """Median milliseconds of ``fn``'s device work with its data in HBM: before each call the L2 is cleared (as in
+    ``do_bench``) and a sleep kernel of ``hold_cycles`` (200,000: ~100 µs at the H200's clock) is enqueued, so the
+    host has enqueued the call before the GPU reaches it and the events around it time the kernels alone. The hold
+    must outlast the call's host path; where it does not, host time shows between the events."""
+    from triton import runtime
+
+    clear = runtime.driver.active.get_empty_cache_for_benchmark()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for _ in range(warmup):
+        fn()
+    for start, end in zip(starts, ends):
+        runtime.driver.active.clear_cache(clear)
+        torch.cuda._sleep(hold_cycles)
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(start.elapsed_time(end) for start, end in zip(starts, ends))[reps // 2]
