@@ -10,6 +10,7 @@ import torch
 
 import onlineattn
 from onlineattn import reference as R
+from onlineattn.ops import _launch as launch_cache
 
 DTYPES = [torch.float64, torch.float32, torch.bfloat16, torch.float16]
 
@@ -291,12 +292,14 @@ def test_compiled_training_step_on_the_torch_path_has_no_graph_break():
     (128, 512, 4, False, False),  # the fused dQ's adds in any order, its sum zeroed by the delta pass; persistent
     (64, 1024, 4, False, True),  # the Gluon dK/dV tile beside the Triton dQ kernel
     (256, 512, 4, True, True),  # d = 256: the split dK/dV tile, the dQ kernel's K/V through descriptors
-    (128, 640, 2, True, True),  # GQA, a length off the tiles
+    (128, 640, 2, True, True),  # GQA over five whole key blocks
+    (128, 600, 2, True, True),  # GQA, the last row tile and key block partial
 ], ids=str)
-def test_training_step_replays_from_a_cuda_graph(d, n, hkv, causal, deterministic):
+def test_training_step_replays_from_a_cuda_graph(d, n, hkv, causal, deterministic, monkeypatch):
     """A training step (forward and backward) captured in one CUDA graph, after warm-up on a side stream as
     ``torch.cuda.graph`` asks, and replayed on new data copied into its inputs: the output and gradients equal an
-    eager step's on that data (dQ up to float32 summation order where its adds go in any order). The small-N
+    eager step's on that data (dQ up to float32 summation order where its adds go in any order), the eager step
+    taken without the kept launches the capture replays (``ONLINEATTN_LAUNCH_CACHE=0``'s full path). The small-N
     training steps whose host time is as long as their kernels (benchmarks/NOTES.md v25-v26) run this way."""
     gen = torch.Generator(device="cuda").manual_seed(d + n + hkv)
     make = lambda h: torch.randn(2, n, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -322,7 +325,9 @@ def test_training_step_replays_from_a_cuda_graph(d, n, hkv, causal, deterministi
             for x, y in zip((*leaves, do), fresh):
                 x.copy_(y)
         graph.replay()
-        want = step(*(x.clone().requires_grad_() for x in fresh[:3]), fresh[3])
+        with monkeypatch.context() as full_path:
+            full_path.setattr(launch_cache, "enabled", False)
+            want = step(*(x.clone().requires_grad_() for x in fresh[:3]), fresh[3])
         for name, got, ref in zip(("o", "dq", "dk", "dv"), captured, want):
             if name == "dq" and not deterministic:
                 torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=1e-6)

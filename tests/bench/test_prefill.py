@@ -122,12 +122,19 @@ def test_cold_times_every_provider_cold_and_names_its_rows(monkeypatch):
         assert [r["provider"] for r in rows] == [p + ("+cold" if cold else "") for p in ["onlineattn", "sdpa-math"] * 2]
 
 
-def test_cold_timing_holds_the_gpu_longer_than_a_training_step_host_path(monkeypatch):
-    """Under ``--cold`` the hold before each call outlasts a backward step's host path (up to ~760 µs measured on the
-    H200 machine, NOTES v25): the call the bench times goes to ``time_cold`` with ``COLD_HOLD_CYCLES``."""
-    holds = []
-    monkeypatch.setattr(P, "time_cold", lambda call, hold_cycles: holds.append(hold_cycles) or 1.0)
+@pytest.mark.parametrize("mode", ["fwd", "bwd", "fwdbwd"])
+@pytest.mark.parametrize("cold", [True, False])
+def test_cold_timing_holds_the_gpu_longer_than_a_training_step_host_path(mode, cold, monkeypatch):
+    """Under ``--cold`` every mode's call goes to ``time_cold`` with ``COLD_HOLD_CYCLES``, a hold that outlasts a
+    backward step's host path (up to ~760 µs measured on the H200 machine, NOTES v25); without it, to do_bench."""
+    import triton.testing
+
+    timings = []
+    monkeypatch.setattr(P, "time_cold", lambda call, hold_cycles: timings.append(("cold", hold_cycles)) or 1.0)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda call, **kw: timings.append(("do_bench", call())) or 2.0)
     monkeypatch.setattr(P, "warm_up_gpu", lambda: 0)
-    q = torch.zeros(1, 4, 1, 8)
-    assert P._timed(lambda q, k, v, causal: q * 2, "fwd", q, q, q, False, cold=True) == 1.0
-    assert holds == [P.COLD_HOLD_CYCLES] and P.COLD_HOLD_CYCLES / 1.98e9 > 1e-3  # over 1 ms at the boost clock
+    q = torch.ones(1, 4, 1, 8)
+    got = P._timed(lambda q, k, v, causal: q * k + v, mode, q, q, q, False, cold=cold)
+    assert (got, [t[0] for t in timings]) == ((1.0, ["cold"]) if cold else (2.0, ["do_bench"]))
+    if cold:
+        assert timings[0][1] == P.COLD_HOLD_CYCLES and P.COLD_HOLD_CYCLES / 1.98e9 > 1e-3  # over 1 ms

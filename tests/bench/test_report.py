@@ -70,3 +70,10 @@ def test_the_command_line(results, tmp_path, capsys):
     assert args.func(args) == 0 and "report.md" in capsys.readouterr().out
     args = build_parser().parse_args(["bench", "report", "--results", str(tmp_path / "absent.jsonl")])
     assert args.func(args) == 2
+
+
+def test_a_provider_timed_another_way_takes_its_colour_dashed_or_dotted():
+    assert Rp.line_style("onlineattn") == (Rp.COLORS["onlineattn"], "o-")
+    assert Rp.line_style("sdpa-default+graph") == (Rp.COLORS["sdpa-default"], "o--")
+    assert Rp.line_style("onlineattn-nondet+cold") == (Rp.COLORS["onlineattn-nondet"], "o:")
+    assert Rp.line_style("someone-new") == (None, "o-")

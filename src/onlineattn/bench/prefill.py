@@ -36,7 +36,7 @@ QUICK_SEQLENS = (1024, 8192)
 FLEX_RECOMPILE_LIMIT = 256  # one compiled graph per (shape, mask): the full grid needs 36 per mode
 TOKENS = 16384
 HIDDEN = 2048
-COLD_HOLD_CYCLES = 4_000_000  # ~2 ms at the H200's clock: longer than a training step's host path (<1 ms, NOTES v26)
+COLD_HOLD_CYCLES = 4_000_000  # ~2 ms at the H200's clock: longer than a training step's host path (<1 ms, NOTES v25)
 
 
 @dataclass(frozen=True)
@@ -237,7 +237,8 @@ def run(cases, providers, modes, *, out: Path | None, commit: str | None = None,
         fns[window_provider(window)] = _ours_window(window)
     rows = []
     suffix = "+cold" if cold else ""
-    header = f"{'op':6} {'d':>4} {'c':>2} {'N':>6} {'B':>3} {'H':>3} " + " ".join(f"{p + suffix:>15}" for p in fns)
+    width = max([15] + [len(p + suffix) for p in fns])  # a column per provider, as wide as its name
+    header = f"{'op':6} {'d':>4} {'c':>2} {'N':>6} {'B':>3} {'H':>3} " + " ".join(f"{p + suffix:>{width}}" for p in fns)
     print(header)
     if cases:
         _settle(cases[0], fns, modes, dtype, cold)
@@ -250,7 +251,7 @@ def run(cases, providers, modes, *, out: Path | None, commit: str | None = None,
                 windowed = window is not None and name == window_provider(window)
                 bar.step(f"{mode} d={case.d} N={case.n} {name}")
                 if mode == "fwd" and name in SAME_FORWARD:  # the same forward as onlineattn: no second row
-                    cells.append(f"{'(same)':>15}")
+                    cells.append(f"{'(same)':>{width}}")
                     continue
                 try:
                     ms = _timed(fn, mode, q, k, v, case.causal, cold)
@@ -258,13 +259,13 @@ def run(cases, providers, modes, *, out: Path | None, commit: str | None = None,
                     # fails to compile: that cell is n/a and the run goes on. Our own failures stop the run.
                     if name.startswith("onlineattn"):
                         raise
-                    cells.append(f"{'n/a':>15}")
+                    cells.append(f"{'n/a':>{width}}")
                     bar.print(f"  {name} {mode} {case}: {type(err).__name__}: {str(err).splitlines()[0][:120]}")
                     torch.cuda.empty_cache()
                     continue
                 times[name] = ms
                 tflops = case.flops(mode, window if windowed else None) / ms / 1e9
-                cells.append(f"{tflops:15.1f}")
+                cells.append(f"{tflops:{width}.1f}")
                 rows.append({
                     **env, "op": mode, "provider": name + suffix, "dtype": str(dtype).replace("torch.", ""),
                     "B": case.b, "Hq": case.h, "Hkv": case.h, "Sq": case.n, "Sk": case.n, "d": case.d,

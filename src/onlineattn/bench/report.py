@@ -3,7 +3,9 @@ page, by default under ``docs/report/``.
 
 - ``prefill_fwd.png``, ``prefill_bwd.png``: TFLOP/s vs N, one panel per head dim and mask. Solid lines: every provider
   of the latest commit measured for that op; faded dashed lines: onlineattn at earlier commits, to show progress.
-- ``decode.png``: TB/s (K and V bytes read) vs cached tokens L, one panel per batch size; dashed = under CUDA graphs.
+- ``decode.png``: TB/s (K and V bytes read) vs cached tokens L, one panel per batch size.
+- In both, a provider timed another way (``+graph``: under CUDA graphs, dashed; ``+cold``: the device work alone,
+  dotted) takes its provider's colour.
 - ``memory.png``: peak extra memory vs N per mode, log-log (rows of ``bench memory``). Where the results hold no memory
   rows the ``--memory-results`` file is used (by default the CPU rows in ``benchmarks/results/cpu.jsonl``), and the
   title says which machine measured them.
@@ -28,6 +30,16 @@ COLORS = {  # one colour per provider in every plot
     "naive": "black", "sdpa-default": "tab:cyan", "onlineattn-checked": "tab:olive", "onlineattn-paged": "tab:purple",
     "onlineattn-nondet": "darkred",
 }
+TIMING_STYLES = {"+graph": "o--", "+cold": "o:"}  # a provider's rows timed another way (bench decode/prefill)
+
+
+def line_style(provider: str) -> tuple[str | None, str]:
+    """``(colour, matplotlib format)`` of a provider's line: a ``+graph`` or ``+cold`` provider takes its base
+    provider's colour, dashed or dotted."""
+    for suffix, fmt in TIMING_STYLES.items():
+        if provider.endswith(suffix):
+            return COLORS.get(provider.removesuffix(suffix)), fmt
+    return COLORS.get(provider), "o-"
 
 
 def load(path: Path) -> list[dict]:
@@ -136,8 +148,8 @@ def plot_prefill(rows: list[dict], op: str, path: Path) -> Path | None:
                     ax.plot(xs, ys, "--", color=COLORS["onlineattn"], alpha=0.3, lw=1, label=f"onlineattn @ {c}")
             panel = [r for r in now if r["d"] == d and r["causal"] == causal]
             for provider, (xs, ys) in sorted(_series(panel, "Sq", "tflops", lambda r: r["provider"]).items()):
-                ax.plot(xs, ys, "o-", color=COLORS.get(provider), lw=2 if provider == "onlineattn" else 1.3, ms=3,
-                        label=provider)
+                color, fmt = line_style(provider)
+                ax.plot(xs, ys, fmt, color=color, lw=2 if provider == "onlineattn" else 1.3, ms=3, label=provider)
             _style(ax, f"d = {d}, {'causal' if causal else 'no mask'}", "N (tokens per sequence)", "TFLOP/s")
     return _save(fig, path)
 
@@ -154,9 +166,8 @@ def plot_decode(rows: list[dict], path: Path) -> Path | None:
         ax = axes[0][j]
         panel = [r for r in now if r["B"] == b]
         for provider, (xs, ys) in sorted(_series(panel, "Sk", "tbps", lambda r: r["provider"]).items()):
-            base = provider.removesuffix("+graph")
-            ax.plot(xs, ys, "o--" if provider.endswith("+graph") else "o-", color=COLORS.get(base), ms=3,
-                    label=provider)
+            color, fmt = line_style(provider)
+            ax.plot(xs, ys, fmt, color=color, ms=3, label=provider)
         _style(ax, f"B = {b}", "L (cached tokens)", "TB/s")
     return _save(fig, path)
 
