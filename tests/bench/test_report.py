@@ -77,3 +77,24 @@ def test_a_provider_timed_another_way_takes_its_colour_dashed_or_dotted():
     assert Rp.line_style("sdpa-default+graph") == (Rp.COLORS["sdpa-default"], "o--")
     assert Rp.line_style("onlineattn-nondet+cold") == (Rp.COLORS["onlineattn-nondet"], "o:")
     assert Rp.line_style("someone-new") == (None, "o-")
+
+
+def test_ratios_against_cudnn_pair_each_timing_and_skip_windows(tmp_path, capsys):
+    """Each onlineattn provider over sdpa-cudnn at each point, a +cold provider over sdpa-cudnn+cold; window rows
+    (band FLOPs) and points without a peer row are left out; ``--ratios`` prints the table and writes nothing."""
+    values = {"onlineattn": 330, "onlineattn-nondet": 345, "sdpa-cudnn": 300, "onlineattn+cold": 320,
+              "sdpa-cudnn+cold": 400, "onlineattn-window1024": 900}
+    rows = [_row("ccc", "bwd", p, n, v) for p, v in values.items() for n in (1024, 2048)]
+    rows.append(_row("ccc", "bwd", "onlineattn", 4096, 500))  # no peer row at 4096
+    commit, ours, lines = Rp.ratios(rows, "bwd")
+    assert commit == "ccc" and ours == ["onlineattn", "onlineattn-nondet", "onlineattn+cold"]
+    assert lines == [[128, "no", n, "1.10", "1.15", "0.80"] for n in (1024, 2048)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    args = build_parser().parse_args(["bench", "report", "--results", str(path), "--out-dir", str(out),
+                                      "--ratios", "bwd"])
+    assert args.func(args) == 0 and not out.exists()
+    assert "| 128 | no | 2048 | 1.10 | 1.15 | 0.80 |" in capsys.readouterr().out
+    assert "| 128 | no | 1024 | 1.10 | 1.15 | 0.80 |" in Rp.markdown(rows, [], {"bwd": tmp_path / "b.png",
+                                                                              "decode": tmp_path / "d.png"})
