@@ -209,7 +209,7 @@ def _run(compiled, grid: tuple, device, values: tuple) -> None:
 
 def _grid3(grid: tuple) -> tuple:
     """A grid of one to three dims as the launcher's three (missing dims 1)."""
-    return grid + (1,) * (3 - len(grid)) if len(grid) < 3 else grid
+    return grid + (1,) * (3 - len(grid))
 
 
 class Relaunch:
