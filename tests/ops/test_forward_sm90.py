@@ -344,6 +344,23 @@ def test_warpgroup_0_skips_blocks_its_rows_do_not_see(shape, persistent, stages,
     _check(q, k, v, True, o, lse)
 
 
+@gpu
+@sm90
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_p_converted_early_or_late_matches_oracle(shape, causal, d):
+    """``early_p`` the other way from the table (d = 64 on, d = 128 and 256 off): P becomes wgmma's A operand right
+    after its softmax, or just before its P·V. Each tile's first block, the key loop, warpgroup 0's half-width
+    diagonal block (HALF_DIAG shapes) and the last P·V take either form."""
+    b, sq, sk, hq, hkv = shape
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, torch.bfloat16, seed=sum(shape) + causal + d + 7, device="cuda")
+    cfg = _FWD_WS[causal][d]
+    assert cfg.early_p == (d != 64)
+    o, lse = _run_poisoned(q, k, v, causal, config=replace(cfg, early_p=not cfg.early_p, persistent=True))
+    _check(q, k, v, causal, o, lse)
+
+
 def test_skip_shapes_hand_over_skipped_blocks():
     """Where ``test_warpgroup_0_skips_blocks_its_rows_do_not_see`` releases skipped blocks at hand-overs, by a walk of
     the tile order over its 3 persistent programs at 64-key blocks: a tile that is not its program's last and whose

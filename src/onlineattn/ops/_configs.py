@@ -23,6 +23,8 @@ class FwdConfig:
     q_stages: int = 1  # gluon only: Q buffers (2: the next tile's Q loads while this tile's blocks run)
     lazy_rescale: bool = False  # gluon only: rows keep their running max until a score passes it by 2^8, and O is
     #                             rescaled only in blocks where a row of the warpgroup took a new one
+    early_p: bool = False  # gluon only: a block's P becomes wgmma's A operand (bf16) right after its softmax, under
+    #                        the previous block's P·V, instead of before its own P·V is issued
 
 
 # Interpreter runs (CPU tensors, TRITON_INTERPRET=1): bigger tiles mean fewer Python-level programs; stages and warps
@@ -125,6 +127,15 @@ _WS_TILE_D128 = replace(_WS_TILE, num_stages=2)
 #   365.7-366.7 / 411.2-413.8 / 428.7-449.3 / 440.5-446.9; causal lost (316.6-318.5 / 382.8-390.5 / 405.8-409.1
 #   against 318.6-322 / 393.2-394 / 415.9-423.1 at 1024 / 2048 / 4096), so causal keeps one. (At 2048 one buffer's
 #   two passes spread over 429-449 and two buffers read 422-428; the gain is at 512, 1024 and 4096.)
+# - P as the A operand early (session 35, NOTES v27, .devrun/fab35.py, main against early_p at d = 128 and 256 and
+#   at d = 64, alternating processes, two each, CUDA-graph TFLOP/s, B·N = 16k): d = 256 non-causal 4096 662-665
+#   against 633-638, causal 602-605 against 600-607; d = 128 non-causal 1024 / 4096 / 16384 534-538 / 594-597 /
+#   607-610 against 526-528 / 591-594 / 606-610, causal 428-431 / 557-560 / 610-613 against 423 / 556-559 /
+#   609-612; d = 64 non-causal 2048 / 8192 427-430 / 445-449 against 430-431 / 447-451, causal 4096 408-411
+#   against 413-416. ptxas spills fell at d = 128 (34 STL / 46 LDL -> 8 / 11) and rose at d = 64 (0 -> 4 / 4).
+#   So d = 128 and 256 take it.
+_WS_TILE_D128 = replace(_WS_TILE_D128, early_p=True)
+_WS_TILE_D256 = replace(_WS_TILE_D256, early_p=True)
 _FWD_WS = {False: {64: replace(_WS_TILE, persistent=True, q_stages=2), 128: replace(_WS_TILE_D128, persistent=True),
                    256: replace(_WS_TILE_D256, persistent=True)},
            True: {64: _WS_TILE, 128: _WS_TILE_D128, 256: _WS_TILE_D256}}

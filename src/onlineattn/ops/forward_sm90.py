@@ -73,11 +73,12 @@ class Tile:
     LAST_BLOCK_FIRST: gl.constexpr  # the dK/dV kernel: key blocks from the last (BwdTile.last_block_first)
     PERSISTENT: gl.constexpr  # the dK/dV kernel: programs loop over key blocks (BwdTile.persistent)
     LAZY_RESCALE: gl.constexpr  # the forward: a row keeps its running max until a score passes it by 2^8 (_softmax)
+    EARLY_P: gl.constexpr  # the forward: a block's P becomes wgmma's A operand right after its softmax (_step)
 
     @gluon.constexpr_function
     def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False, ORDERED=False,
                  Q_STAGES=1, TMA_OUT=False, HALF_DIAG=False, EARLY_DV=False, LAST_BLOCK_FIRST=False,
-                 PERSISTENT=False, LAZY_RESCALE=False):
+                 PERSISTENT=False, LAZY_RESCALE=False, EARLY_P=False):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -94,6 +95,7 @@ class Tile:
         self.LAST_BLOCK_FIRST = gl.constexpr(LAST_BLOCK_FIRST)
         self.PERSISTENT = gl.constexpr(PERSISTENT)
         self.LAZY_RESCALE = gl.constexpr(LAZY_RESCALE)
+        self.EARLY_P = gl.constexpr(EARLY_P)
 
 
 @gluon.jit
@@ -101,10 +103,11 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
                               seqlen_q, seqlen_k, heads_q, group, qk_scale, num_tiles,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_STAGES: gl.constexpr,
-                              HALF_DIAG: gl.constexpr, LAZY_RESCALE: gl.constexpr):
+                              HALF_DIAG: gl.constexpr, LAZY_RESCALE: gl.constexpr, EARLY_P: gl.constexpr):
     """Programs take tiles ``pid, pid + programs, ...`` of ``num_tiles`` (one each when the grid covers them all).
     With ``HALF_DIAG`` warpgroup 0 takes each tile's diagonal block at half width (``_half_end``); with
-    ``LAZY_RESCALE`` rows keep their running max until a score passes it by 2^8 (``_softmax``)."""
+    ``LAZY_RESCALE`` rows keep their running max until a score passes it by 2^8 (``_softmax``); with ``EARLY_P``
+    a block's P is converted to wgmma's A operand right after its softmax (``_step``)."""
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -140,9 +143,9 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
     consumer = smem + shape + (o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale)
     gl.warp_specialize([
         (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES,
-                                     HALF_DIAG=HALF_DIAG, LAZY_RESCALE=LAZY_RESCALE),)),
+                                     HALF_DIAG=HALF_DIAG, LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P),)),
         (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES,
-                                     LAZY_RESCALE=LAZY_RESCALE),)),
+                                     LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P),)),
         (_producer, (q_desc, k_desc, v_desc) + smem + shape + (
             group, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES))),
     ], [4, 1], [240, 24])
@@ -352,7 +355,7 @@ def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s
         k = k.slice(0, WIDTH)
     s = warpgroup_mma(q, k.permute((1, 0)), zero_s, use_acc=False, is_async=True)
     mbarrier.wait(v_ready.index(prev), ((idx - 1) // STAGES) & 1)
-    p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+    p_op = _operand(p, q_smem.dtype, p_layout)
     acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s,))  # QKᵀ, issued first, is done; the previous P·V may still run
     mbarrier.arrive(k_empty.index(stage), count=1)
@@ -364,6 +367,8 @@ def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s
     grown = 1
     if tile.LAZY_RESCALE:  # O is rescaled only where a row of the warpgroup took a new max
         grown = gl.max((m_i > m_old).to(gl.int32), axis=0)
+    if tile.EARLY_P:  # under the previous P·V rather than between this block's QKᵀ and it (NOTES v27)
+        p = _operand(p, q_smem.dtype, p_layout)
     # p among the deps keeps this wait after the softmax in the generated code.
     acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
     mbarrier.arrive(v_empty.index(prev), count=1)
@@ -453,25 +458,41 @@ def _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, qk_scale
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(it % tile.STAGES), count=1)
     mbarrier.arrive(q_empty.index(n % tile.Q_STAGES), count=1, pred=n_blocks == 1)
-    return _fresh_softmax(s, row0, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
+    p, m_i, l_i = _fresh_softmax(s, row0, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
+    if tile.EARLY_P:
+        p = _operand(p, q_smem.dtype, _p_layout(tile.HEAD_DIM))
+    return p, m_i, l_i
 
 
 @gluon.jit
 def _last_pv(rings, p, acc, last, tile, o_layout: gl.constexpr):
-    """Issue a tile's last P·V (ring index ``last``) without waiting for it: ``p`` the block's float32 P, or
-    (``_half_end``) the A operand already, over the block's first keys. Returns (acc, P as the A operand), both for
-    the wait's deps (the registers stay live until the wgmma has read them)."""
+    """Issue a tile's last P·V (ring index ``last``) without waiting for it: ``p`` the block's float32 P, or the A
+    operand already (``EARLY_P``; ``_half_end``: over the block's first keys). Returns (acc, P as the A operand),
+    both for the wait's deps (the registers stay live until the wgmma has read them)."""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_op = _operand(p, q_smem.dtype, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     stage = last % tile.STAGES
     mbarrier.wait(v_ready.index(stage), (last // tile.STAGES) & 1)
-    if p.dtype == gl.float32:
-        p_op = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-        v = v_smem.index(stage).reshape([tile.BLOCK_N, tile.HEAD_DIM])
-    else:
-        p_op = p
-        v = v_smem.index(stage).reshape([tile.BLOCK_N, tile.HEAD_DIM]).slice(0, p.shape[1])
+    v = v_smem.index(stage).reshape([tile.BLOCK_N, tile.HEAD_DIM])
+    if p_op.shape[1] < tile.BLOCK_N:
+        v = v.slice(0, p_op.shape[1])
     return warpgroup_mma(p_op, v, acc, is_async=True), p_op
+
+
+@gluon.jit
+def _operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """P as wgmma's A operand (``p_layout``) in ``dtype``: converted from float32, or as it is."""
+    if p.dtype == gl.float32:
+        p = gl.convert_layout(p.to(dtype), p_layout)
+    return p
+
+
+@gluon.constexpr_function
+def _p_layout(head_dim):
+    """P's layout as wgmma's A operand for P·V into a warpgroup's O of ``head_dim`` columns (``_consumer``'s
+    o_layout)."""
+    o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, head_dim, 16])
+    return gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
 
 
 @gluon.jit
@@ -669,7 +690,7 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False)
         sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=causal,
         Q_STAGES=cfg.q_stages, HALF_DIAG=half_diagonal(sq, sk, causal, cfg), LAZY_RESCALE=cfg.lazy_rescale,
-        num_warps=4,
+        EARLY_P=cfg.early_p, num_warps=4,
     )
     return grid, kept
 
