@@ -11,6 +11,8 @@ writes its rows of O through a shared-memory staging buffer by TMA stores that r
 With ``lazy_rescale`` (``LAZY_RESCALE_FROM``: where it measured faster) a row keeps its running max until a score
 passes it by 2^8, and a warpgroup rescales its O only in blocks where one of its rows took a new max (``_step``);
 l and O share the stale max, so the result is exact (P reaches up to 2^8, well inside bf16/fp16's range).
+With ``early_p`` a block's P is converted to wgmma's A operand right after its softmax, under the previous block's
+P·V, rather than just before its own P·V is issued, when the next block's scores are already live.
 
 Under causal, when the diagonal falls on a 128-key block boundary (``half_diagonal``; 128-key blocks: d = 64 and 128
 outside the short causal tile, which like d = 256 runs 64-key blocks), warpgroup 0's rows see only
