@@ -339,7 +339,8 @@ def test_warpgroup_0_skips_blocks_its_rows_do_not_see(shape, persistent, stages,
     monkeypatch.setattr(F, "_STEPS", {})  # no kept launch of another grid
     b, sq, sk, hq, hkv = shape
     q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, torch.bfloat16, seed=sum(shape) + d + stages, device="cuda")
-    cfg = replace(_FWD_WS[True][d], block_n=64, num_stages=stages, persistent=persistent, q_stages=q_stages)
+    cfg = replace(_FWD_WS[True][d], block_n=64, num_stages=stages, persistent=persistent, q_stages=q_stages,
+                  early_p=_FWD_WS_SHORT[d, True].early_p)
     o, lse = _run_poisoned(q, k, v, True, config=cfg)
     _check(q, k, v, True, o, lse)
 
@@ -349,10 +350,13 @@ def test_warpgroup_0_skips_blocks_its_rows_do_not_see(shape, persistent, stages,
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_p_converted_early_or_late_matches_oracle(shape, causal, d):
+def test_p_converted_early_or_late_matches_oracle(shape, causal, d, monkeypatch):
     """``early_p`` the other way from the table (d = 64 on, d = 128 and 256 off): P becomes wgmma's A operand right
     after its softmax, or just before its P·V. Each tile's first block, the key loop, warpgroup 0's half-width
-    diagonal block (HALF_DIAG shapes) and the last P·V take either form."""
+    diagonal block (HALF_DIAG shapes), the hand-over to the next tile (3 persistent programs) and the last P·V take
+    either form."""
+    monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
+    monkeypatch.setattr(F, "_STEPS", {})  # no kept launch of another grid
     b, sq, sk, hq, hkv = shape
     q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, torch.bfloat16, seed=sum(shape) + causal + d + 7, device="cuda")
     cfg = _FWD_WS[causal][d]

@@ -257,7 +257,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
     acc = gl.zeros([64, D], gl.float32, layout=o_layout)
     p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, own, seqlen_q, seqlen_k, qk_scale,
                                   tile, s_layout, o_layout)
-    acc, p_op = _last_pv(rings, p_last, acc, it + own - 1, tile, o_layout)
+    acc, p_op = _last_pv(rings, p_last, acc, it + own - 1, tile)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(v_empty.index((it + own - 1) % tile.STAGES), count=1)
     _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout, o_layout)
@@ -348,7 +348,7 @@ def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s
     BLOCK_N: gl.constexpr = tile.BLOCK_N
     STAGES: gl.constexpr = tile.STAGES
     WIDTH: gl.constexpr = zero_s.shape[1]
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_layout: gl.constexpr = _p_layout(tile.HEAD_DIM)
     stage = idx % STAGES
     prev = (idx - 1) % STAGES
     mbarrier.wait(k_ready.index(stage), (idx // STAGES) & 1)
@@ -369,7 +369,7 @@ def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s
     grown = 1
     if tile.LAZY_RESCALE:  # O is rescaled only where a row of the warpgroup took a new max
         grown = gl.max((m_i > m_old).to(gl.int32), axis=0)
-    if tile.EARLY_P:  # under the previous P·V rather than between this block's QKᵀ and it (NOTES v27)
+    if tile.EARLY_P:  # under the previous P·V, not in the next _step once the next block's scores are live
         p = _operand(p, q_smem.dtype, p_layout)
     # p among the deps keeps this wait after the softmax in the generated code.
     acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
@@ -386,7 +386,7 @@ def _half_end(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k
     one), so that block's QKᵀ and P·V run over those 64 keys (``_half_block``); the blocks before it as in
     ``_blocks``. A one-block tile's first QKᵀ ran whole: its P keeps its first 64 columns (the others are masked,
     0). Returns (the last block's P as the A operand over those 64 keys, m, l, acc), its P·V still to do."""
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_layout: gl.constexpr = _p_layout(tile.HEAD_DIM)
     dtype: gl.constexpr = rings[0].dtype
     if n_blocks == 1:
         left, right = p.to(dtype).reshape([64, 2, 64]).permute((0, 2, 1)).split()  # columns 0-63 and 64-127
@@ -406,7 +406,7 @@ def _half_block(rings, p, m_i, l_i, acc, last, n, row0, start_n, seqlen_q, seqle
     """``_step`` for a tile's last block (ring ``last``, keys from ``start_n``) at half width: QKᵀ over its first 64
     keys, Q released. Returns (P as the A operand over the 64 keys, m, l, acc), its P·V still to do."""
     h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_layout: gl.constexpr = _p_layout(tile.HEAD_DIM)
     q = _q_rows(rings[0], n % tile.Q_STAGES, tile)
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, h_layout))
     zero_h = gl.zeros([64, 64], gl.float32, layout=h_layout)
@@ -416,7 +416,7 @@ def _half_block(rings, p, m_i, l_i, acc, last, n, row0, start_n, seqlen_q, seqle
                              h_layout, o_layout, True)
     m_i = gl.convert_layout(m_h, gl.SliceLayout(1, s_layout))
     l_i = gl.convert_layout(l_h, gl.SliceLayout(1, s_layout))
-    return gl.convert_layout(p.to(rings[0].dtype), p_layout), m_i, l_i, acc
+    return _operand(p, rings[0].dtype, p_layout), m_i, l_i, acc
 
 
 @gluon.jit
@@ -428,7 +428,7 @@ def _handover(rings, out, p, m_i, l_i, acc, last, next_it, n, off_b, off_h, row0
     tile's output while that QKᵀ runs; then the next tile's first softmax. Returns the next tile's (p, m, l).
     (Issuing the QKᵀ after the output instead read the same or up to 4 % slower, NOTES v14.)"""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
-    acc, p_op = _last_pv(rings, p, acc, last, tile, o_layout)
+    acc, p_op = _last_pv(rings, p, acc, last, tile)
     _skip(rings, last + 1, next_it, tile)
     s = _first_qk(rings, n, next_it, tile, s_layout)
     acc, p_op = warpgroup_mma_wait(1, deps=(acc, p_op))  # the P·V, issued first, is done; the QKᵀ may still run
@@ -467,12 +467,12 @@ def _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, qk_scale
 
 
 @gluon.jit
-def _last_pv(rings, p, acc, last, tile, o_layout: gl.constexpr):
+def _last_pv(rings, p, acc, last, tile):
     """Issue a tile's last P·V (ring index ``last``) without waiting for it: ``p`` the block's float32 P, or the A
     operand already (``EARLY_P``; ``_half_end``: over the block's first keys). Returns (acc, P as the A operand),
     both for the wait's deps (the registers stay live until the wgmma has read them)."""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
-    p_op = _operand(p, q_smem.dtype, gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    p_op = _operand(p, q_smem.dtype, _p_layout(tile.HEAD_DIM))
     stage = last % tile.STAGES
     mbarrier.wait(v_ready.index(stage), (last // tile.STAGES) & 1)
     v = v_smem.index(stage).reshape([tile.BLOCK_N, tile.HEAD_DIM])
@@ -492,7 +492,7 @@ def _operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
 @gluon.constexpr_function
 def _p_layout(head_dim):
     """P's layout as wgmma's A operand for P·V into a warpgroup's O of ``head_dim`` columns (``_consumer``'s
-    o_layout)."""
+    o_layout: the accumulator's of that width)."""
     o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, head_dim, 16])
     return gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
 
