@@ -230,9 +230,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
     tiles. ``it`` is the ring index of the tile's first key block, ``n`` the tile's place in the program's run."""
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_N: gl.constexpr = tile.BLOCK_N
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = _acc_layout(BLOCK_N)
+    o_layout: gl.constexpr = _acc_layout(D)
     rings = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
     out = (o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q)
     programs = gl.num_programs(0)
@@ -405,7 +404,7 @@ def _half_block(rings, p, m_i, l_i, acc, last, n, row0, start_n, seqlen_q, seqle
                 s_layout: gl.constexpr, o_layout: gl.constexpr):
     """``_step`` for a tile's last block (ring ``last``, keys from ``start_n``) at half width: QKᵀ over its first 64
     keys, Q released. Returns (P as the A operand over the 64 keys, m, l, acc), its P·V still to do."""
-    h_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
+    h_layout: gl.constexpr = _acc_layout(64)
     p_layout: gl.constexpr = _p_layout(tile.HEAD_DIM)
     q = _q_rows(rings[0], n % tile.Q_STAGES, tile)
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, h_layout))
@@ -490,11 +489,16 @@ def _operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
 
 
 @gluon.constexpr_function
+def _acc_layout(width):
+    """A wgmma accumulator's layout for a warpgroup's 64 rows by ``width`` columns (QKᵀ's over a block's keys, O's
+    over the head dim)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, width, 16])
+
+
+@gluon.constexpr_function
 def _p_layout(head_dim):
-    """P's layout as wgmma's A operand for P·V into a warpgroup's O of ``head_dim`` columns (``_consumer``'s
-    o_layout: the accumulator's of that width)."""
-    o_layout = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, head_dim, 16])
-    return gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    """P's layout as wgmma's A operand for P·V into a warpgroup's O of ``head_dim`` columns."""
+    return gl.DotOperandLayout(operand_index=0, parent=_acc_layout(head_dim), k_width=2)
 
 
 @gluon.jit
