@@ -81,7 +81,8 @@ def test_a_provider_timed_another_way_takes_its_colour_dashed_or_dotted():
 
 def test_ratios_against_cudnn_pair_each_timing_and_skip_windows(tmp_path, capsys):
     """Each onlineattn provider over sdpa-cudnn at each point, a +cold provider over sdpa-cudnn+cold; window rows
-    (band FLOPs) and points without a peer row are left out; ``--ratios`` prints the table and writes nothing."""
+    (band FLOPs) and points without a peer row are left out; ``--ratios`` prints the table and writes nothing, and
+    refuses (exit 2, naming the option) a commit or op with no such rows, and ``--commit`` without ``--ratios``."""
     values = {"onlineattn": 330, "onlineattn-nondet": 345, "sdpa-cudnn": 300, "onlineattn+cold": 320,
               "sdpa-cudnn+cold": 400, "onlineattn-window1024": 900}
     rows = [_row("ccc", "bwd", p, n, v) for p, v in values.items() for n in (1024, 2048)]
@@ -96,5 +97,10 @@ def test_ratios_against_cudnn_pair_each_timing_and_skip_windows(tmp_path, capsys
                                       "--ratios", "bwd"])
     assert args.func(args) == 0 and not out.exists()
     assert "| 128 | no | 2048 | 1.10 | 1.15 | 0.80 |" in capsys.readouterr().out
+    for bad, named in ((["--ratios", "bwd", "--commit", "zzz"], "--commit zzz"), (["--ratios", "fwd"], "--ratios fwd"),
+                       (["--commit", "ccc"], "--commit")):
+        args = build_parser().parse_args(["bench", "report", "--results", str(path), "--out-dir", str(out), *bad])
+        assert args.func(args) == 2 and not out.exists()  # no such rows, or --commit without --ratios: refused
+        assert named in capsys.readouterr().out
     assert "| 128 | no | 1024 | 1.10 | 1.15 | 0.80 |" in Rp.markdown(rows, [], {"bwd": tmp_path / "b.png",
                                                                               "decode": tmp_path / "d.png"})

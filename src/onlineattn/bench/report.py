@@ -307,8 +307,15 @@ def main(args) -> int:
     if not args.results.exists():
         print(f"no results file at {args.results}")
         return 2
+    if args.commit is not None and not args.ratios:
+        print("--commit picks the rows of --ratios; the report draws each op's latest grid")
+        return 2
     if args.ratios:
         commit, ours, lines = ratios(load(args.results), args.ratios, args.commit)
+        if not lines:
+            where = f"--commit {args.commit}" if args.commit else f"--ratios {args.ratios}"
+            print(f"{where}: no {args.ratios} rows with an onlineattn and an sdpa-cudnn reading in {args.results}")
+            return 2
         print(f"{args.ratios} at {commit}, against sdpa-cudnn:")
         print("\n".join(_table(["d", "causal", "N", *ours], lines)))
         return 0
