@@ -15,7 +15,8 @@ from tests.ops.test_forward import _check, _check_rows, _inputs, _run_poisoned
 from onlineattn._mods import PLAIN
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import (
-    _FWD_WS, _FWD_WS_SHORT, LAZY_RESCALE_FROM, WS_CAUSAL_PERSISTENT_BELOW, WS_MIN_KEYS, WS_SHORT_KEYS, fwd_config,
+    _FWD_WS, _FWD_WS_SHORT, _FWD_WS_WIDE, LAZY_RESCALE_FROM, WS_CAUSAL_PERSISTENT_BELOW, WS_MIN_KEYS, WS_SHORT_KEYS,
+    WS_WIDE_FROM, fwd_config,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +29,8 @@ def test_table_routes_plain_half_d64_d128_d256():
     """d = 64, 128 and 256 in half precision from WS_MIN_KEYS rows and keys (per mask), causal launches persistent
     below WS_CAUSAL_PERSISTENT_BELOW and one program per tile from it, and with both lengths in WS_SHORT_KEYS the
     tile of _FWD_WS_SHORT where it has one; never without ws_ok, variants, for other head dims, unequal head dims,
-    float32 or an unknown length. (Lazy rescaling, a length's choice too, is left to the next test.)"""
+    float32 or an unknown length. (Lazy rescaling and d = 64's 192-row tiles, a length's choices too, are left to
+    the next tests.)"""
     pick = lambda d=128, dv=None, dtype=torch.bfloat16, causal=False, sk=4096, **kw: replace(fwd_config(  # noqa: E731
         d, dv or d, dtype, causal, "cuda", seqlen_q=sk, seqlen_k=sk, **{"ws_ok": True, **kw}), lazy_rescale=False)
     for d in (64, 128, 256):
@@ -38,7 +40,8 @@ def test_table_routes_plain_half_d64_d128_d256():
             want = replace(_FWD_WS[causal][d], persistent=_FWD_WS[causal][d].persistent or least < persistent_below)
             assert pick(d, causal=causal, sk=least) == want
             assert pick(d, causal=causal, sk=least, dtype=torch.float16) == want
-            assert pick(d, causal=causal, sk=max(least, persistent_below)) == _FWD_WS[causal][d]
+            if max(least, persistent_below) < WS_WIDE_FROM.get((d, causal), 1 << 41):
+                assert pick(d, causal=causal, sk=max(least, persistent_below)) == _FWD_WS[causal][d]
             below = pick(d, causal=causal, sk=least - 1)
             assert below == _FWD_WS_SHORT[d, causal] if (d, causal) in _FWD_WS_SHORT else not below.gluon
             assert not pick(d, causal=causal, sk=None).gluon
@@ -68,6 +71,27 @@ def test_table_routes_plain_half_d64_d128_d256():
     assert not fwd_config(128, 128, torch.float32, False, "cuda", seqlen_k=16384, ws_ok=True).gluon
 
 
+def test_table_takes_three_warpgroups_at_d64_from_their_lengths():
+    """d = 64 plain half-precision calls take _FWD_WS_WIDE's 192-row tiles (three consumer warpgroups) from
+    WS_WIDE_FROM rows and keys (per mask), the 128-row tiles below, and never where the Gluon kernel does not run
+    or at other head dims."""
+    assert set(WS_WIDE_FROM) == {(64, False), (64, True)}
+    for causal in (False, True):
+        wide, least = _FWD_WS_WIDE[causal], WS_WIDE_FROM[64, causal]
+        assert wide.block_m == 192 and wide.block_n == 128 and wide.early_p and wide.gluon
+        for dtype in (torch.bfloat16, torch.float16):
+            at = lambda sq, sk=None, **kw: fwd_config(64, 64, dtype, causal, "cuda", seqlen_q=sq,  # noqa: E731
+                                                      seqlen_k=sk or sq, **{"ws_ok": True, **kw})
+            assert at(least) == at(4 * least) == at(least, 8 * least) == wide
+            below = at(least - 1)
+            assert below.gluon and below.block_m == 128
+            assert at(least, least - 1).block_m == 128  # both lengths from WS_WIDE_FROM
+            assert not at(least, ws_ok=False).gluon and not at(least, variants=True).gluon
+        assert fwd_config(128, 128, torch.bfloat16, causal, "cuda", seqlen_q=16384, seqlen_k=16384,
+                          ws_ok=True).block_m == 128
+    assert not _FWD_WS_WIDE[True].persistent and _FWD_WS_WIDE[False].persistent  # as measured
+
+
 def test_table_rescales_lazily_from_its_lengths():
     """The Gluon tile keeps stale row maxima (lazy_rescale) from LAZY_RESCALE_FROM's keys for its (d, mask), and
     never for the others or off the Gluon kernel."""
@@ -87,7 +111,8 @@ def test_table_rescales_lazily_from_its_lengths():
 
 def test_gluon_tile_is_refused_where_it_cannot_run():
     """A gluon tile passed as ``config`` still needs a call the kernel can run (CPU tensors here: not sm_90), and
-    the launcher refuses tiles other than 128 rows over two 4-warp warpgroups, and tiles whose Q, K/V stages and O
+    the launcher refuses tiles other than 128 rows over two 4-warp warpgroups (or 192 over three at d = 64 only:
+    their consumers have 160 registers a thread), and tiles whose Q, K/V stages and O
     staging buffers exceed an SM's shared memory (three 128-key stages at d = 128, two Q buffers at d = 256), Q
     buffer counts other than 1 and 2, key blocks other than 64 and 128, a single K/V stage (warpgroup 0's skip
     waits for a block while its previous block is unreleased: it would wait on itself, ``_skip``) and an O of
@@ -102,7 +127,8 @@ def test_gluon_tile_is_refused_where_it_cannot_run():
                 replace(_FWD_WS[False][128], num_stages=3), replace(_FWD_WS[False][128], q_stages=0),
                 replace(_FWD_WS[False][128], q_stages=3), replace(_FWD_WS[True][128], num_stages=1),
                 replace(_FWD_WS_SHORT[64, True], num_stages=1), replace(_FWD_WS_SHORT[64, True], block_n=32),
-                replace(_FWD_WS_SHORT[64, True], block_n=32, num_stages=4)):
+                replace(_FWD_WS_SHORT[64, True], block_n=32, num_stages=4), replace(_FWD_WS[False][128], block_m=192),
+                replace(_FWD_WS[False][128], block_m=256)):
         with pytest.raises(ValueError, match="config"):
             forward_sm90.launch(q, k, v, torch.empty_like(q), torch.empty(1, 2, 8), 0.1, False, bad)
     with pytest.raises(ValueError, match="in q's dtype"):  # O leaves by TMA stores of q's dtype
@@ -117,6 +143,12 @@ def test_gluon_tile_is_refused_where_it_cannot_run():
             assert forward_sm90.shared_bytes(d, _FWD_WS[causal][d]) <= forward_sm90.SHARED_BYTES
     for d, causal in _FWD_WS_SHORT:
         assert forward_sm90.shared_bytes(d, _FWD_WS_SHORT[d, causal]) <= forward_sm90.SHARED_BYTES
+    q64 = torch.randn(1, 8, 2, 64, dtype=torch.bfloat16)
+    for causal in (False, True):
+        assert forward_sm90.shared_bytes(64, _FWD_WS_WIDE[causal]) <= forward_sm90.SHARED_BYTES
+        with pytest.raises(ValueError, match="192-row tiles"):  # 64-key blocks: warpgroup 0 could skip two blocks
+            forward_sm90.launch(q64, q64, q64, torch.empty_like(q64), torch.empty(1, 2, 8), 0.1, causal,
+                                replace(_FWD_WS_WIDE[causal], block_n=64))
 
 
 def test_out_must_be_tma_aligned_for_the_gluon_tile(monkeypatch):
@@ -182,14 +214,16 @@ from probe_launch import Sm90NoLaunch
 triton.runtime.driver.set_active(Sm90NoLaunch())
 from onlineattn.ops import forward_sm90
 from dataclasses import replace
-from onlineattn.ops._configs import _FWD_WS, _FWD_WS_SHORT
+from onlineattn.ops._configs import _FWD_WS, _FWD_WS_SHORT, _FWD_WS_WIDE
 bf16 = torch.bfloat16
-for d, causal, dtype, q_stages, sk, short, lazy in (
+for d, causal, dtype, q_stages, sk, kind, lazy in (  # kind: the table's tile, the short one, the wide one
         (128, False, bf16, 1, 300, 0, 0), (128, True, torch.float16, 1, 300, 0, 0), (64, True, bf16, 1, 300, 0, 0),
         (256, False, bf16, 1, 300, 0, 0), (128, True, bf16, 2, 300, 0, 0), (128, True, bf16, 1, 301, 0, 0),
         (64, True, bf16, 1, 301, 0, 0), (64, False, bf16, 2, 300, 0, 0), (128, True, bf16, 1, 300, 1, 0),
-        (64, True, bf16, 1, 301, 1, 0), (128, True, torch.float16, 1, 300, 0, 1), (256, False, bf16, 1, 300, 0, 1)):
-    cfg = _FWD_WS_SHORT[d, causal] if short else replace(_FWD_WS[causal][d], q_stages=q_stages)
+        (64, True, bf16, 1, 301, 1, 0), (128, True, torch.float16, 1, 300, 0, 1), (256, False, bf16, 1, 300, 0, 1),
+        (64, False, bf16, 2, 300, 2, 0), (64, True, torch.float16, 1, 300, 2, 0)):
+    cfg = {{0: replace(_FWD_WS[causal][d], q_stages=q_stages), 1: _FWD_WS_SHORT.get((d, causal)),
+           2: _FWD_WS_WIDE[causal]}}[kind]
     cfg = replace(cfg, lazy_rescale=bool(lazy))
     q = torch.randn(2, 300, 8, d, dtype=dtype)
     k = torch.randn(2, sk, 2, d, dtype=dtype)
@@ -201,7 +235,7 @@ for d, causal, dtype, q_stages, sk, short, lazy in (
     forward_sm90.attention_fwd_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
     print(d, causal, sk, ptx.count("wgmma.mma_async"), ptx.count("setmaxnreg"), compiled[0].metadata.shared,
-          cfg.num_stages, cfg.block_n, cfg.q_stages, ptx.count("bar.sync"))
+          cfg.num_stages, cfg.block_n, cfg.q_stages, ptx.count("bar.sync"), cfg.block_m)
 """
 
 
@@ -216,9 +250,10 @@ def test_kernel_compiles_for_sm90():
     and take their last P·V over 64 keys (4 k-steps, not 8): 24 more wgmma at d = 128 (152) and 16 at d = 64
     (112); with Sk = Sq + 1 (the diagonal off a block boundary) causal compiles without it. The last two cases
     rescale lazily (``lazy_rescale``): the same matmuls as the second and fourth, and more barriers (the
-    warpgroup-wide test of the rows' maxima, a reduction across warps). Also the partitions' register split, and Q
-    (one buffer, or two: the fifth case, the short tiles), the table's K/V stages and the two O staging buffers (64
-    rows by up to 128 columns each) within shared memory."""
+    warpgroup-wide test of the rows' maxima, a reduction across warps). Next, d = 64's 192-row tiles (_FWD_WS_WIDE,
+    both masks): three consumer warpgroups, 12 sites, so 12 x (4 + 8) wgmma, without HALF_DIAG. Also the
+    partitions' register split, and Q (one buffer, or two: the fifth case, the short tiles), the table's K/V
+    stages and an O staging buffer per warpgroup (64 rows by up to 128 columns each) within shared memory."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
@@ -227,18 +262,20 @@ def test_kernel_compiles_for_sm90():
     lines = out.stdout.split()
     cases = ((128, "False", 300), (128, "True", 300), (64, "True", 300), (256, "False", 300), (128, "True", 300),
              (128, "True", 301), (64, "True", 301), (64, "False", 300), (128, "True", 300), (64, "True", 301),
-             (128, "True", 300), (256, "False", 300))
-    assert len(lines) == len(cases) * 10, out.stdout
-    bars = lines[9::10]
+             (128, "True", 300), (256, "False", 300), (64, "False", 300), (64, "True", 300))
+    assert len(lines) == len(cases) * 11, out.stdout
+    bars = lines[9::11]
     assert int(bars[10]) > int(bars[1]) and int(bars[11]) > int(bars[3])  # lazy: the warpgroup-wide test per block
     for i, (d, causal, keys) in enumerate(cases):
-        head, flag, sk, wgmma, setmaxnreg, shared, stages, block_n, q_stages, _ = lines[10 * i: 10 * i + 10]
-        assert int(sk) == keys
-        half = {128: 24, 64: 16}[d] if causal == "True" and keys == 300 and block_n == "128" else 0  # HALF_DIAG
-        assert (int(head), flag) == (d, causal) and int(wgmma) == 8 * (d // 16 + int(block_n) // 16) + half
+        head, flag, sk, wgmma, setmaxnreg, shared, stages, block_n, q_stages, _, block_m = lines[11 * i: 11 * i + 11]
+        assert int(sk) == keys and int(block_m) == (192 if i >= 12 else 128)
+        consumers = int(block_m) // 64
+        half = {128: 24, 64: 16}[d] if causal == "True" and keys == 300 and block_n == block_m else 0  # HALF_DIAG
+        sites = 4 * consumers
+        assert (int(head), flag) == (d, causal) and int(wgmma) == sites * (d // 16 + int(block_n) // 16) + half
         assert int(setmaxnreg) >= 2
-        o_staging = 2 * 64 * min(d, 128) * 2
-        q_bytes = int(q_stages) * 128 * d * 2
+        o_staging = consumers * 64 * min(d, 128) * 2
+        q_bytes = int(q_stages) * int(block_m) * d * 2
         assert q_bytes + int(stages) * 2 * int(block_n) * d * 2 + o_staging <= int(shared) <= 227 * 1024
 
 
@@ -362,6 +399,27 @@ def test_p_converted_early_or_late_matches_oracle(shape, causal, d, monkeypatch)
     cfg = _FWD_WS[causal][d]
     assert cfg.early_p == (d != 64)
     o, lse = _run_poisoned(q, k, v, causal, config=replace(cfg, early_p=not cfg.early_p, persistent=True))
+    _check(q, k, v, causal, o, lse)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("stages,q_stages", [(2, 1), (3, 2), (4, 2)])
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
+@pytest.mark.parametrize("lazy", [False, True], ids=["rescale", "lazy"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_three_warpgroups_match_oracle(shape, lazy, persistent, stages, q_stages, causal, monkeypatch):
+    """d = 64 on 192-row tiles: three consumer warpgroups, Q in three 64-row boxes a tile. Tiles whose last
+    warpgroups' rows lie past Sq (every shape here but one row tile's), causal tiles where warpgroups 0 and 1 skip
+    the last block (``_own_blocks``), rows that see no key, and persistent grids of 3 programs handing tiles over."""
+    monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
+    monkeypatch.setattr(F, "_STEPS", {})  # no kept launch of another grid
+    b, sq, sk, hq, hkv = shape
+    q, k, v = _inputs(b, sq, sk, hq, hkv, 64, 64, torch.bfloat16, seed=sum(shape) + causal + stages, device="cuda")
+    cfg = replace(_FWD_WS[causal][64], block_m=192, block_n=128, num_stages=stages, q_stages=q_stages,
+                  persistent=persistent, lazy_rescale=lazy, early_p=True)
+    o, lse = _run_poisoned(q, k, v, causal, config=cfg)
     _check(q, k, v, causal, o, lse)
 
 

@@ -18,7 +18,8 @@ class FwdConfig:
     heads_per_group: int = 1  # programs run longest-first across groups of this many (batch, kv head) columns
     pipeline: bool = False  # the unmasked key loop overlaps block j's softmax with block j-1's P·V (forward.py)
     gluon: bool = False  # the warp-specialized Hopper kernel (forward_sm90.py): block_m = 128 rows over two
-    #                      warpgroups of num_warps = 4, num_stages K/V stages filled by a producer warp
+    #                      warpgroups of num_warps = 4 (192 over three at d = 64), num_stages K/V stages filled by
+    #                      a producer warp
     persistent: bool = False  # gluon only: one program per SM looping over the tiles
     q_stages: int = 1  # gluon only: Q buffers (2: the next tile's Q loads while this tile's blocks run)
     lazy_rescale: bool = False  # gluon only: rows keep their running max until a score passes it by 2^8, and O is
@@ -187,6 +188,23 @@ WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 16384, 256: 16384}
 #   The skipped rescale (64 · D float32 multiplies a warpgroup per block) pays for the warpgroup-wide test of the
 #   rows' maxima (a cross-warp reduction) where D is large or the rows see many blocks. Keyed by (d, causal): keys.
 LAZY_RESCALE_FROM = {(128, True): 4096, (256, False): 1024, (256, True): 4096}
+# - Three consumer warpgroups on 192-row tiles at d = 64 (session 36, NOTES v28, .devrun/tsweep36.py, one process,
+#   two passes, TFLOP/s under the bench's cold-L2 do_bench | CUDA graph, B·N = 16k). v17's three warpgroups spilled
+#   at 128-key blocks with P kept in float32 until its P·V; with early_p ptxas fits them in 160 registers, no spill.
+#   - Non-causal, persistent, three stages, two Q buffers, N = 512 / 1024 / 2048 / 4096 / 8192 / 16384: 355-358 |
+#     339-340, 382-395 | 382-384, 448-450 | 440-441, 460-473 | 460-464, 489-493 | 487, 487-498 | 494 against the
+#     table's 376-377 | 359-360, 406-428 | 400-401, 433-441 | 424-425, 449-455 | 438-441, 445-457 | 444, 451-455 |
+#     444-445 (cuDNN 380-381 | 359-360, 414-416 | 401-403, 433-435 | 426-427, 443 | 441-443, 443 | 441-444,
+#     442-444 | 446-447). Two or four stages, or one Q buffer, read the same or lower; lazy rescaling 10 % lower.
+#     At 512 and 1024 a head's last 192-row tile holds 64 rows past Sq (1/9 of the rows computed).
+#   - Causal, one program per tile, one Q buffer: 8192 445-455 | 444-447, 16384 470-477 | 471-472 against the
+#     table's 435-463 | 431-432, 446-447 | 442-443 (cuDNN 422-425 | 421-422, 433-437 | 433); persistent 437-449
+#     | 437-439 at 8192. At 4096 (persistent 423-428 | 421-423 against 423-443 | 408-412) the cold readings overlap,
+#     and below it the table's tile led (2048: 363-369 | 355-359 against 392-393 | 376).
+#   So d = 64 takes them from WS_WIDE_FROM rows and keys (per mask), before the rules above.
+WS_WIDE_FROM = {(64, False): 2048, (64, True): 8192}
+_FWD_WS_WIDE = {False: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, persistent=True, q_stages=2, early_p=True),
+                True: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, early_p=True)}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or with Sq <= 512 where the
 #                                              Gluon kernel does not take the call (above)
 
@@ -223,6 +241,8 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
     if ws is not None and WS_SHORT_KEYS[0] <= shortest and longest < WS_SHORT_KEYS[1] and (
             (head_dim, causal) in _FWD_WS_SHORT):
         return _FWD_WS_SHORT[head_dim, causal]
+    if ws is not None and shortest >= WS_WIDE_FROM.get((head_dim, causal), shortest + 1):
+        return _FWD_WS_WIDE[causal]
     if ws is not None and shortest >= WS_MIN_KEYS[head_dim][causal]:
         if causal and shortest < WS_CAUSAL_PERSISTENT_BELOW[head_dim]:
             ws = replace(ws, persistent=True)

@@ -1,12 +1,13 @@
 """Forward attention on Hopper (sm_90): a warp-specialized Gluon kernel, FlashAttention-3's structure.
 
 A program takes tiles of ``BLOCK_M = 128`` query rows of one head (one tile, or with ``persistent`` a lap-strided
-run of them), each split between two consumer warpgroups of 64 rows.
+run of them), each split between two consumer warpgroups of 64 rows; at d = 64 long launches take 192-row tiles over
+three (FA3's d = 64 tile has 192 rows too), whose Q arrives in three 64-row boxes.
 A one-warp producer partition streams K and V blocks by TMA into a ring of ``num_stages`` shared-memory stages; each
-stage has a "ready" mbarrier (the copy landed) and an "empty" one (both consumers are done reading it). Each consumer
+stage has a "ready" mbarrier (the copy landed) and an "empty" one (every consumer is done reading it). Each consumer
 keeps its own online-softmax state (m, l, acc) and, for block j, issues QKᵀ_j, then P_{j-1}·V_{j-1}, waits for
 QKᵀ_j only and runs block j's softmax while the tensor cores still add the previous block (P stays in registers as
-wgmma's A operand). The two warpgroups also overlap each other's softmax with their matmuls. Each consumer
+wgmma's A operand). The warpgroups also overlap each other's softmax with their matmuls. Each consumer
 writes its rows of O through a shared-memory staging buffer by TMA stores that run on under its next tile.
 With ``lazy_rescale`` (``LAZY_RESCALE_FROM``: where it measured faster) a row keeps its running max until a score
 passes it by 2^8, and a warpgroup rescales its O only in blocks where one of its rows took a new max (``_step``);
@@ -52,6 +53,8 @@ ROWS_PER_WARPGROUP = 64
 O_COLUMNS = 128  # an O store's box width (d = 256 stores two halves: a whole-row buffer would not fit)
 SHARED_BYTES = 232448  # an sm_90 program's most (227 KiB)
 HEAD_DIMS = (64, 128, 256)  # what this kernel is built and tested for (backward_sm90.HEAD_DIMS: the dK/dV kernel's)
+CONSUMER_REGS_3 = gl.constexpr(160)  # a consumer thread's registers in a 192-row tile (512 threads: three consumer
+#                                       warpgroups and the producer warp's, which takes a warpgroup's share)
 
 
 @aggregate
@@ -111,10 +114,12 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
     ``LAZY_RESCALE`` rows keep their running max until a score passes it by 2^8 (``_softmax``); with ``EARLY_P``
     a block's P is converted to wgmma's A operand right after its softmax (``_step``)."""
     dtype: gl.constexpr = q_desc.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES] + q_desc.block_type.shape, q_desc.layout)
+    CONSUMERS: gl.constexpr = BLOCK_M // 64  # warpgroups, 64 rows each
+    Q_BOXES: gl.constexpr = BLOCK_M // q_desc.block_type.shape[1]  # Q's boxes a tile (_q_box_rows)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES * Q_BOXES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2] + o_desc.block_type.shape, o_desc.layout)  # a consumer's O rows
+    o_smem = gl.allocate_shared_memory(dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)  # O rows
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -123,12 +128,12 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(Q_STAGES):
         mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
     fence_async_shared()
 
     smem = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
@@ -143,14 +148,19 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
     stride_lh = gl.to_tensor(stride_lh)
     shape = (seqlen_q, seqlen_k, heads_q, num_tiles)
     consumer = smem + shape + (o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale)
-    gl.warp_specialize([
-        (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES,
-                                     HALF_DIAG=HALF_DIAG, LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P),)),
-        (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES,
-                                     LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P),)),
-        (_producer, (q_desc, k_desc, v_desc) + smem + shape + (
-            group, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES))),
-    ], [4, 1], [240, 24])
+    producer = (q_desc, k_desc, v_desc) + smem + shape + (
+        group, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES))
+    wg0 = consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES, HALF_DIAG=HALF_DIAG,
+                           LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P),)
+    wg1 = consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES,
+                           LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P),)
+    if CONSUMERS == 2:
+        gl.warp_specialize([(_consumer, wg0), (_consumer, wg1), (_producer, producer)], [4, 1], [240, 24])
+    else:
+        wg2 = consumer + (Tile(2, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES,
+                               LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P),)
+        gl.warp_specialize([(_consumer, wg0), (_consumer, wg1), (_consumer, wg2), (_producer, producer)],
+                           [4, 4, 1], [CONSUMER_REGS_3, CONSUMER_REGS_3, 24])
 
 
 @gluon.jit
@@ -197,14 +207,18 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     released them."""
     BLOCK_N: gl.constexpr = tile.BLOCK_N
     STAGES: gl.constexpr = tile.STAGES
+    Q_ROWS: gl.constexpr = q_desc.block_type.shape[1]
+    Q_BOXES: gl.constexpr = tile.BLOCK_M // Q_ROWS
     it = 0
     n = 0  # tiles so far: Q buffer n % Q_STAGES
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
         off_b, off_h, m0, n_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile)
         slot = n % tile.Q_STAGES
         mbarrier.wait(q_empty.index(slot), ((n // tile.Q_STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [off_b, m0, off_h, 0], q_ready.index(slot), q_smem.index(slot))
+        mbarrier.expect(q_ready.index(slot), Q_BOXES * q_desc.block_type.nbytes)
+        for i in gl.static_range(Q_BOXES):
+            tma.async_copy_global_to_shared(q_desc, [off_b, m0 + i * Q_ROWS, off_h, 0], q_ready.index(slot),
+                                            q_smem.index(slot * Q_BOXES + i))
         n += 1
         off_hkv = off_h // group
         for j in range(n_blocks):
@@ -266,11 +280,12 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
 @gluon.jit
 def _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, tile):
     """How many of its tile's ``n_blocks`` key blocks this warpgroup's 64 rows (from ``row0``) see. Under causal
-    masking warpgroup 0's rows can end before the tile's last block starts (64-key blocks, or a diagonal off the
-    block boundaries): it then does not compute that block, fully masked. At a hand-over it releases the block's
-    stage (``_skip``); after a program's last tile it leaves it unreleased, which is safe because the producer has
-    issued every load by then and warpgroup 1, which sees every block, waits for each to land. With 64- or
-    128-key blocks that is at most one block a tile (``launch`` takes no others)."""
+    masking a warpgroup's rows can end before the tile's last block starts (64-key blocks, a diagonal off the
+    block boundaries, or the first two warpgroups of a 192-row tile): it then does not compute that block, fully
+    masked. At a hand-over it releases the block's stage (``_skip``); after a program's last tile it leaves it
+    unreleased, which is safe because the producer has issued every load by then and the last warpgroup, which
+    sees every block, waits for each to land. With 64- or 128-key blocks that is at most one block a tile
+    (``launch`` takes no others)."""
     own = n_blocks
     if tile.CAUSAL:
         hi = gl.minimum(seqlen_k, row0 + 64 + seqlen_k - seqlen_q)
@@ -281,7 +296,7 @@ def _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, tile):
 @gluon.jit
 def _skip(rings, first, end, tile):
     """Release ring blocks ``first`` .. ``end - 1``, which this warpgroup's rows do not see (``_own_blocks``), each
-    once it has landed: the producer fills a stage only after both warpgroups released its previous block, so the
+    once it has landed: the producer fills a stage only after every warpgroup released its previous block, so the
     wait keeps this release from counting toward that earlier one. The caller has not yet released the block
     before ``first`` (ring ``first - 1``'s V), so the blocks skipped must be fewer than the stages, or the wait for
     the last of them would wait on that release: one block at most, against two stages or more (``launch``)."""
@@ -516,8 +531,10 @@ def _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout: gl.constex
 
 @gluon.jit
 def _q_rows(q_smem, slot, tile):
-    """This warpgroup's 64 rows of Q buffer ``slot``."""
-    return q_smem.index(slot).reshape([tile.BLOCK_M, tile.HEAD_DIM]).slice(tile.WG * 64, 64)
+    """This warpgroup's 64 rows of Q buffer ``slot`` (a tile's ``BLOCK_M // Q_ROWS`` boxes of Q_ROWS rows)."""
+    Q_ROWS: gl.constexpr = q_smem.shape[2]
+    box = q_smem.index(slot * (tile.BLOCK_M // Q_ROWS) + tile.WG * 64 // Q_ROWS)
+    return box.reshape([Q_ROWS, tile.HEAD_DIM]).slice(tile.WG * 64 % Q_ROWS, 64)
 
 
 @gluon.jit
@@ -652,19 +669,25 @@ def _build(x, block: tuple) -> TensorDescriptor:
 
 
 def descriptors(q, k, v, o, cfg) -> tuple:
-    """Q's, K's, V's and O's descriptors for tile ``cfg``: one 128-row box of one head, one key block of one head,
-    and for O a warpgroup's 64 rows of one head by up to 128 columns (``O_COLUMNS``)."""
+    """Q's, K's, V's and O's descriptors for tile ``cfg``: a box of one head's rows (``_q_box_rows``), one key block
+    of one head, and for O a warpgroup's 64 rows of one head by up to 128 columns (``O_COLUMNS``)."""
     d = q.shape[-1]
-    rows_block, keys_block = (1, cfg.block_m, 1, d), (1, cfg.block_n, 1, d)
+    rows_block, keys_block = (1, _q_box_rows(cfg.block_m), 1, d), (1, cfg.block_n, 1, d)
     o_block = (1, ROWS_PER_WARPGROUP, 1, min(d, O_COLUMNS))
     return descriptor(q, rows_block), descriptor(k, keys_block), descriptor(v, keys_block), descriptor(o, o_block)
 
 
+def _q_box_rows(block_m: int) -> int:
+    """Rows of Q's TMA box: the whole tile, or for 192-row tiles one warpgroup's 64 (Gluon's shared buffers take
+    power-of-two shapes), three boxes a tile."""
+    return block_m if block_m & (block_m - 1) == 0 else ROWS_PER_WARPGROUP
+
+
 def shared_bytes(d: int, cfg) -> int:
-    """Shared memory a launch takes (element size 2): ``q_stages`` Q buffers, ``num_stages`` K and V blocks, the two
-    O staging buffers (the mbarriers' few bytes aside)."""
+    """Shared memory a launch takes (element size 2): ``q_stages`` Q buffers, ``num_stages`` K and V blocks, an O
+    staging buffer per warpgroup (the mbarriers' few bytes aside)."""
     return (2 * d * (cfg.q_stages * cfg.block_m + 2 * cfg.num_stages * cfg.block_n)
-            + 2 * 2 * ROWS_PER_WARPGROUP * min(d, O_COLUMNS))
+            + 2 * cfg.block_m * min(d, O_COLUMNS))
 
 
 def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False):
@@ -673,8 +696,12 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False)
     tile launches up to one program per SM (``programs``), each looping over tiles; otherwise one program per tile.
     Returns ``(grid, Relaunch or None)``:
     with ``keep``, the launch kept for repeats with new arrays (``descriptors(q, k, v, o, cfg), lse``)."""
-    if cfg.block_m != 2 * ROWS_PER_WARPGROUP or cfg.num_warps != 4:
-        raise ValueError(f"config: the Hopper kernel runs 128-row tiles over two 4-warp warpgroups, not {cfg}")
+    if cfg.block_m not in (2 * ROWS_PER_WARPGROUP, 3 * ROWS_PER_WARPGROUP) or cfg.num_warps != 4:
+        raise ValueError(f"config: the Hopper kernel runs 128- or 192-row tiles over two or three 4-warp warpgroups, "
+                         f"not {cfg}")
+    if cfg.block_m == 3 * ROWS_PER_WARPGROUP and (q.shape[-1] != 64 or cfg.block_n != 128):
+        raise ValueError(f"config: 192-row tiles (three warpgroups of 160 registers a thread) run d = 64 over "
+                         f"128-key blocks, not d = {q.shape[-1]} with {cfg}")
     if cfg.q_stages not in (1, 2):
         raise ValueError(f"config: q_stages is 1 or 2 (Q buffers), not {cfg.q_stages}")
     if cfg.block_n not in (64, 128) or cfg.num_stages < 2:
