@@ -197,10 +197,10 @@ LAZY_RESCALE_FROM = {(128, True): 4096, (256, False): 1024, (256, True): 4096}
 #     444-445 (cuDNN 380-381 | 359-360, 414-416 | 401-403, 433-435 | 426-427, 443 | 441-443, 443 | 441-444,
 #     442-444 | 446-447). Two or four stages, or one Q buffer, read the same or lower; lazy rescaling 10 % lower.
 #     At 512 and 1024 a head's last 192-row tile holds 64 rows past Sq (1/9 of the rows computed).
-#   - Causal, one program per tile, one Q buffer: 8192 445-455 | 444-447, 16384 470-477 | 471-472 against the
-#     table's 435-463 | 431-432, 446-447 | 442-443 (cuDNN 422-425 | 421-422, 433-437 | 433); persistent 437-449
-#     | 437-439 at 8192. At 4096 (persistent 423-428 | 421-423 against 423-443 | 408-412) the cold readings overlap,
-#     and below it the table's tile led (2048: 363-369 | 355-359 against 392-393 | 376).
+#   - Causal, one program per tile, one Q buffer: 8192 444-455 | 444-447, 16384 470-477 | 471-472 against the
+#     table's 435-463 | 431-432, 446-447 | 442-443 (cuDNN 422-425 | 421-422, 433-437 | 433); persistent 443-449
+#     | 437-439 at 8192. At 4096 (persistent 424-428 | 413-423 against 420-443 | 408-412) the cold readings overlap,
+#     and below it the table's tile led (2048: 367-369 | 358-359 against 392-393 | 376).
 #   So d = 64 takes them from WS_WIDE_FROM rows and keys (per mask), before the rules above.
 WS_WIDE_FROM = {(64, False): 2048, (64, True): 8192}
 _FWD_WS_WIDE = {False: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, persistent=True, q_stages=2, early_p=True),
