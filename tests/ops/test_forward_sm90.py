@@ -40,8 +40,9 @@ def test_table_routes_plain_half_d64_d128_d256():
             want = replace(_FWD_WS[causal][d], persistent=_FWD_WS[causal][d].persistent or least < persistent_below)
             assert pick(d, causal=causal, sk=least) == want
             assert pick(d, causal=causal, sk=least, dtype=torch.float16) == want
-            if max(least, persistent_below) < WS_WIDE_FROM.get((d, causal), 1 << 41):
-                assert pick(d, causal=causal, sk=max(least, persistent_below)) == _FWD_WS[causal][d]
+            top = max(least, persistent_below)  # d = 64: the 192-row tiles take over first (WS_WIDE_FROM)
+            wide = top >= WS_WIDE_FROM.get((d, causal), 1 << 41)
+            assert pick(d, causal=causal, sk=top) == (_FWD_WS_WIDE[causal] if wide else _FWD_WS[causal][d])
             below = pick(d, causal=causal, sk=least - 1)
             assert below == _FWD_WS_SHORT[d, causal] if (d, causal) in _FWD_WS_SHORT else not below.gluon
             assert not pick(d, causal=causal, sk=None).gluon
@@ -72,9 +73,9 @@ def test_table_routes_plain_half_d64_d128_d256():
 
 
 def test_table_takes_three_warpgroups_at_d64_from_their_lengths():
-    """d = 64 plain half-precision calls take _FWD_WS_WIDE's 192-row tiles (three consumer warpgroups) from
-    WS_WIDE_FROM rows and keys (per mask), the 128-row tiles below, and never where the Gluon kernel does not run
-    or at other head dims."""
+    """d = 64 plain half-precision calls take _FWD_WS_WIDE's 192-row tiles (three consumer warpgroups over 128-key
+    blocks) from WS_WIDE_FROM rows and keys (per mask), the 128-row tiles below, and never where the Gluon kernel
+    does not run or at other head dims."""
     assert set(WS_WIDE_FROM) == {(64, False), (64, True)}
     for causal in (False, True):
         wide, least = _FWD_WS_WIDE[causal], WS_WIDE_FROM[64, causal]
@@ -208,7 +209,7 @@ def test_float32_out_at_gluon_lengths_matches_oracle(d):
 
 
 _COMPILE = """
-import sys, torch, triton
+import re, sys, torch, triton
 sys.path.insert(0, {bench!r})
 from probe_launch import Sm90NoLaunch
 triton.runtime.driver.set_active(Sm90NoLaunch())
@@ -235,7 +236,8 @@ for d, causal, dtype, q_stages, sk, kind, lazy in (  # kind: the table's tile, t
     forward_sm90.attention_fwd_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
     print(d, causal, sk, ptx.count("wgmma.mma_async"), ptx.count("setmaxnreg"), compiled[0].metadata.shared,
-          cfg.num_stages, cfg.block_n, cfg.q_stages, ptx.count("bar.sync"), cfg.block_m)
+          cfg.num_stages, cfg.block_n, cfg.q_stages, ptx.count("bar.sync"), cfg.block_m,
+          len(re.findall(r"setmaxnreg\\.inc\\.sync\\.aligned\\.u32\\s+160;", ptx)))
 """
 
 
@@ -253,7 +255,8 @@ def test_kernel_compiles_for_sm90():
     warpgroup-wide test of the rows' maxima, a reduction across warps). Next, d = 64's 192-row tiles (_FWD_WS_WIDE,
     both masks): three consumer warpgroups, 12 sites, so 12 x (4 + 8) wgmma, without HALF_DIAG. Also the
     partitions' register split, and Q (one buffer, or two: the fifth case, the short tiles), the table's K/V
-    stages and an O staging buffer per warpgroup (64 rows by up to 128 columns each) within shared memory."""
+    stages and an O staging buffer per warpgroup (64 rows by up to 128 columns each) within shared memory; the
+    wide tiles' consumers get 160 registers (``setmaxnreg`` in the PTX, beside the default partition's 168)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
@@ -263,17 +266,18 @@ def test_kernel_compiles_for_sm90():
     cases = ((128, "False", 300), (128, "True", 300), (64, "True", 300), (256, "False", 300), (128, "True", 300),
              (128, "True", 301), (64, "True", 301), (64, "False", 300), (128, "True", 300), (64, "True", 301),
              (128, "True", 300), (256, "False", 300), (64, "False", 300), (64, "True", 300))
-    assert len(lines) == len(cases) * 11, out.stdout
-    bars = lines[9::11]
+    assert len(lines) == len(cases) * 12, out.stdout
+    bars = lines[9::12]
     assert int(bars[10]) > int(bars[1]) and int(bars[11]) > int(bars[3])  # lazy: the warpgroup-wide test per block
     for i, (d, causal, keys) in enumerate(cases):
-        head, flag, sk, wgmma, setmaxnreg, shared, stages, block_n, q_stages, _, block_m = lines[11 * i: 11 * i + 11]
+        head, flag, sk, wgmma, setmaxnreg, shared, stages, block_n, q_stages, _, block_m, at_160 = lines[12 * i:
+                                                                                                      12 * i + 12]
         assert int(sk) == keys and int(block_m) == (192 if i >= 12 else 128)
         consumers = int(block_m) // 64
         half = {128: 24, 64: 16}[d] if causal == "True" and keys == 300 and block_n == block_m else 0  # HALF_DIAG
         sites = 4 * consumers
         assert (int(head), flag) == (d, causal) and int(wgmma) == sites * (d // 16 + int(block_n) // 16) + half
-        assert int(setmaxnreg) >= 2
+        assert int(setmaxnreg) >= 2 and (int(at_160) == 2) == (consumers == 3)  # the two worker consumers'
         o_staging = consumers * 64 * min(d, 128) * 2
         q_bytes = int(q_stages) * int(block_m) * d * 2
         assert q_bytes + int(stages) * 2 * int(block_n) * d * 2 + o_staging <= int(shared) <= 227 * 1024
@@ -407,16 +411,17 @@ def test_p_converted_early_or_late_matches_oracle(shape, causal, d, monkeypatch)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("stages,q_stages", [(2, 1), (3, 2), (4, 2)])
 @pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
-@pytest.mark.parametrize("lazy", [False, True], ids=["rescale", "lazy"])
+@pytest.mark.parametrize("lazy,dtype", [(False, torch.bfloat16), (True, torch.bfloat16), (False, torch.float16)],
+                         ids=["rescale", "lazy", "rescale-fp16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_three_warpgroups_match_oracle(shape, lazy, persistent, stages, q_stages, causal, monkeypatch):
+def test_three_warpgroups_match_oracle(shape, lazy, dtype, persistent, stages, q_stages, causal, monkeypatch):
     """d = 64 on 192-row tiles: three consumer warpgroups, Q in three 64-row boxes a tile. Tiles whose last
     warpgroups' rows lie past Sq (every shape here but one row tile's), causal tiles where warpgroups 0 and 1 skip
     the last block (``_own_blocks``), rows that see no key, and persistent grids of 3 programs handing tiles over."""
     monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
     monkeypatch.setattr(F, "_STEPS", {})  # no kept launch of another grid
     b, sq, sk, hq, hkv = shape
-    q, k, v = _inputs(b, sq, sk, hq, hkv, 64, 64, torch.bfloat16, seed=sum(shape) + causal + stages, device="cuda")
+    q, k, v = _inputs(b, sq, sk, hq, hkv, 64, 64, dtype, seed=sum(shape) + causal + stages, device="cuda")
     cfg = replace(_FWD_WS[causal][64], block_m=192, block_n=128, num_stages=stages, q_stages=q_stages,
                   persistent=persistent, lazy_rescale=lazy, early_p=True)
     o, lse = _run_poisoned(q, k, v, causal, config=cfg)
@@ -439,6 +444,16 @@ def test_skip_shapes_hand_over_skipped_blocks():
         counts[shape] = sum(walk(t) > walk(t, 64) for t in range(num_tiles - count))  # each program's last tiles
     assert {shape for shape, n in counts.items() if n} == {
         (1, 1000, 1000, 4, 4), (2, 513, 700, 6, 2), (2, 300, 428, 4, 2), (1, 384, 128, 2, 2)}, counts
+    # 192-row tiles over 128-key blocks (_FWD_WS_WIDE[True]): warpgroups 0 and 1 skip one block at most, and some do.
+    skipped = set()
+    for sq in range(1, 1200, 7):
+        for sk in range(1, 1400, 11):
+            num_tiles = -(-sq // 192)
+            for t in range(num_tiles):
+                whole = _tile_blocks(t, num_tiles, num_tiles, sq, sk, True, 192, 128)
+                for rows in (64, 128):
+                    skipped.add(whole - _tile_blocks(t, num_tiles, num_tiles, sq, sk, True, 192, 128, rows))
+    assert skipped == {0, 1}
 
 
 def test_half_diagonal_holds_where_warpgroup_0_sees_half_the_diagonal_block():
@@ -518,6 +533,27 @@ def test_short_causal_takes_its_short_tile(dtype, d, monkeypatch):
         o, lse = _run_poisoned(q, k, v, True)
         assert tiles.pop() == _FWD_WS_SHORT[d, True]
         _check(q, k, v, True, o, lse)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("causal", [False, True])
+def test_d64_long_calls_take_the_wide_tile(causal, monkeypatch):
+    """d = 64 from WS_WIDE_FROM's lengths runs _FWD_WS_WIDE's 192-row tile through the table (the launch records
+    it): 4099 rows non-causal (persistent; the last row tile's third warpgroup past Sq), 8195 causal (one program
+    per tile), from [B, H, S, D] storage viewed as [B, S, H, D], GQA 6:2, rows checked against the oracle."""
+    tiles = []
+    launch = F.forward_sm90.launch
+    monkeypatch.setattr(F.forward_sm90, "launch", lambda *a, **kw: tiles.append(a[7]) or launch(*a, **kw))
+    monkeypatch.setattr(F, "_STEPS", {})
+    n = 8195 if causal else 4099
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
+               for x in _inputs(1, n, n, 6, 2, 64, 64, torch.bfloat16, seed=n, device="cuda"))
+    o, lse = _run_poisoned(q, k, v, causal, scale=0.07)
+    assert tiles == [_FWD_WS_WIDE[causal]]
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "unwritten elements"
+    for rows in (slice(0, 192), slice(2000, 2200), slice(n - 200, n)):
+        _check_rows(q, k, v, causal, o, lse, rows, scale=0.07)
 
 
 @gpu

@@ -178,7 +178,7 @@ WS_MIN_KEYS = {64: (512, 1024), 128: (512, 512), 256: (512, 512)}
 WS_SHORT_KEYS = (512, 1024)
 _WS_CAUSAL_SHORT = FwdConfig(128, 64, 4, 3, tma=True, gluon=True, persistent=True, q_stages=2)
 _FWD_WS_SHORT = {(64, True): _WS_CAUSAL_SHORT, (128, True): replace(_WS_CAUSAL_SHORT, num_stages=4)}
-WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 16384, 256: 16384}
+WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 16384, 256: 16384}  # d = 64: _FWD_WS_WIDE takes over from 8192
 # - Lazy rescale (session 31, NOTES v23, .devrun/fsweep31.py, the table's tile with lazy_rescale off / on, CUDA-graph
 #   means, two passes each, TFLOP/s at N = 512 / 1024 / 2048 / 4096 / 8192 / 16384):
 #   - d = 256 non-causal 490 / 561 / 603 / 627 / - / 642 -> 490 / 567 / 615 / 638 / - / 656; causal 351 / 460 / 539 /
@@ -190,7 +190,9 @@ WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 16384, 256: 16384}
 LAZY_RESCALE_FROM = {(128, True): 4096, (256, False): 1024, (256, True): 4096}
 # - Three consumer warpgroups on 192-row tiles at d = 64 (session 36, NOTES v28, .devrun/tsweep36.py, one process,
 #   two passes, TFLOP/s under the bench's cold-L2 do_bench | CUDA graph, B·N = 16k). v17's three warpgroups spilled
-#   at 128-key blocks with P kept in float32 until its P·V; with early_p ptxas fits them in 160 registers, no spill.
+#   at 128-key blocks with P kept in float32 until its P·V; with early_p their key loop fits 160 registers without
+#   spills (ptxas, CPU compile: none at all where Triton specialises the lengths as multiples of 16; otherwise 35
+#   stores and 43 loads non-causal, all outside the key loop).
 #   - Non-causal, persistent, three stages, two Q buffers, N = 512 / 1024 / 2048 / 4096 / 8192 / 16384: 355-358 |
 #     339-340, 382-395 | 382-384, 448-450 | 440-441, 460-473 | 460-464, 489-493 | 487, 487-498 | 494 against the
 #     table's 376-377 | 359-360, 406-428 | 400-401, 433-441 | 424-425, 449-455 | 438-441, 445-457 | 444, 451-455 |

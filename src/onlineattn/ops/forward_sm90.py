@@ -19,8 +19,8 @@ Under causal, when the diagonal falls on a 128-key block boundary (``half_diagon
 outside the short causal tile, which like d = 256 runs 64-key blocks), warpgroup 0's rows see only
 the first 64 keys of their tile's last (diagonal) block: it takes that block's QKᵀ and P·V over those 64 keys
 (``_half_end``), a quarter of the block's matmul work and half of that warpgroup's softmax there. Where its rows see
-none of the tile's last block (64-key blocks, or a diagonal off the block boundaries), warpgroup 0 computes one
-block fewer (``_own_blocks``) and only releases that block's stage at the hand-over (``_skip``).
+none of the tile's last block (64-key blocks, or a diagonal off the block boundaries; in 192-row tiles warpgroup 1
+too), it computes one block fewer (``_own_blocks``) and only releases that block's stage at the hand-over (``_skip``).
 
 A program's tiles hand over: the next tile's first QKᵀ is issued right after this tile's last P·V and runs under
 this tile's epilogue. Q has ``q_stages`` buffers (a second lets the producer load the next tile's Q early).
@@ -53,8 +53,9 @@ ROWS_PER_WARPGROUP = 64
 O_COLUMNS = 128  # an O store's box width (d = 256 stores two halves: a whole-row buffer would not fit)
 SHARED_BYTES = 232448  # an sm_90 program's most (227 KiB)
 HEAD_DIMS = (64, 128, 256)  # what this kernel is built and tested for (backward_sm90.HEAD_DIMS: the dK/dV kernel's)
-CONSUMER_REGS_3 = gl.constexpr(160)  # a consumer thread's registers in a 192-row tile (512 threads: three consumer
-#                                       warpgroups and the producer warp's, which takes a warpgroup's share)
+CONSUMER_REGS_3 = gl.constexpr(160)  # the 2nd and 3rd consumers' registers a thread in a 192-row tile (512 threads:
+#                                       three consumer warpgroups and the producer warp's, which takes a warpgroup's
+#                                       share; the first consumer, the default partition, gets the other 168)
 
 
 @aggregate
@@ -62,7 +63,7 @@ class Tile:
     """The compile-time shape a partition needs (this kernel's and backward_sm90.py's). ``warp_specialize`` flattens
     partition arguments into IR values, so constexprs travel inside an aggregate's type."""
 
-    WG: gl.constexpr  # which consumer warpgroup (0 or 1); unused by the producer
+    WG: gl.constexpr  # which consumer warpgroup (0, 1, or 2 in 192-row tiles); unused by the producer
     BLOCK_M: gl.constexpr
     BLOCK_N: gl.constexpr
     HEAD_DIM: gl.constexpr
@@ -115,6 +116,7 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
     a block's P is converted to wgmma's A operand right after its softmax (``_step``)."""
     dtype: gl.constexpr = q_desc.dtype
     CONSUMERS: gl.constexpr = BLOCK_M // 64  # warpgroups, 64 rows each
+    gl.static_assert((CONSUMERS == 2) | ((CONSUMERS == 3) & (not HALF_DIAG)), "128 or 192 rows; HALF_DIAG at 128")
     Q_BOXES: gl.constexpr = BLOCK_M // q_desc.block_type.shape[1]  # Q's boxes a tile (_q_box_rows)
     q_smem = gl.allocate_shared_memory(dtype, [Q_STAGES * Q_BOXES] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
@@ -202,8 +204,8 @@ def snake(t, num_tiles):
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               seqlen_q, seqlen_k, heads_q, num_tiles, group, tile):
-    """One warp: per tile, Q into the next of ``Q_STAGES`` buffers once both consumers have released its last tile,
-    then K_j and V_j into the ring's next stages (``it`` counts blocks across tiles) once both consumers have
+    """One warp: per tile, Q into the next of ``Q_STAGES`` buffers once every consumer has released its last tile,
+    then K_j and V_j into the ring's next stages (``it`` counts blocks across tiles) once every consumer has
     released them."""
     BLOCK_N: gl.constexpr = tile.BLOCK_N
     STAGES: gl.constexpr = tile.STAGES
@@ -284,8 +286,8 @@ def _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, tile):
     block boundaries, or the first two warpgroups of a 192-row tile): it then does not compute that block, fully
     masked. At a hand-over it releases the block's stage (``_skip``); after a program's last tile it leaves it
     unreleased, which is safe because the producer has issued every load by then and the last warpgroup, which
-    sees every block, waits for each to land. With 64- or 128-key blocks that is at most one block a tile
-    (``launch`` takes no others)."""
+    sees every block, waits for each to land. With 64- or 128-key blocks that is at most one block a tile, and with
+    128-key blocks in 192-row tiles (``launch`` takes no others)."""
     own = n_blocks
     if tile.CAUSAL:
         hi = gl.minimum(seqlen_k, row0 + 64 + seqlen_k - seqlen_q)
@@ -706,7 +708,7 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False)
         raise ValueError(f"config: q_stages is 1 or 2 (Q buffers), not {cfg.q_stages}")
     if cfg.block_n not in (64, 128) or cfg.num_stages < 2:
         raise ValueError(f"config: the Hopper kernel runs 64- or 128-key blocks over two K/V stages or more (a "
-                         f"causal tile's warpgroup 0 may skip a block, _skip), not {cfg}")
+                         f"causal tile's first warpgroups may skip a block, _skip), not {cfg}")
     if o.dtype != q.dtype:
         raise ValueError(f"o: the Hopper kernel stores O by TMA in q's dtype {q.dtype}, not {o.dtype}")
     b, sq, hq, d = q.shape
