@@ -150,19 +150,22 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
     stride_lh = gl.to_tensor(stride_lh)
     shape = (seqlen_q, seqlen_k, heads_q, num_tiles)
     consumer = smem + shape + (o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale)
-    producer = (q_desc, k_desc, v_desc) + smem + shape + (
-        group, Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES))
-    wg0 = consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES, HALF_DIAG=HALF_DIAG,
-                           LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P),)
-    wg1 = consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES,
-                           LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P),)
-    if CONSUMERS == 2:
+    tile = Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES, HALF_DIAG=HALF_DIAG,
+                LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P)
+    producer = (q_desc, k_desc, v_desc) + smem + shape + (group, tile)
+    wg0, wg1 = consumer + (tile,), consumer + (_warpgroup(tile, 1),)
+    if CONSUMERS == 2:  # (Gluon builds the partition list only from literals)
         gl.warp_specialize([(_consumer, wg0), (_consumer, wg1), (_producer, producer)], [4, 1], [240, 24])
     else:
-        wg2 = consumer + (Tile(2, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES,
-                               LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P),)
-        gl.warp_specialize([(_consumer, wg0), (_consumer, wg1), (_consumer, wg2), (_producer, producer)],
-                           [4, 4, 1], [CONSUMER_REGS_3, CONSUMER_REGS_3, 24])
+        gl.warp_specialize([(_consumer, wg0), (_consumer, wg1), (_consumer, consumer + (_warpgroup(tile, 2),)),
+                            (_producer, producer)], [4, 4, 1], [CONSUMER_REGS_3, CONSUMER_REGS_3, 24])
+
+
+@gluon.constexpr_function
+def _warpgroup(tile, wg):
+    """Consumer warpgroup ``wg``'s copy of warpgroup 0's ``tile`` (``HALF_DIAG`` is warpgroup 0's alone)."""
+    return Tile(wg, tile.BLOCK_M, tile.BLOCK_N, tile.HEAD_DIM, tile.STAGES, tile.CAUSAL, Q_STAGES=tile.Q_STAGES,
+                LAZY_RESCALE=tile.LAZY_RESCALE, EARLY_P=tile.EARLY_P)
 
 
 @gluon.jit
