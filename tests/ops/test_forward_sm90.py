@@ -648,15 +648,16 @@ def test_repeats_launch_a_kept_gluon_step(monkeypatch):
 @sm90
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
-def test_repeat_relaunches_bitwise(causal, persistent, monkeypatch):
+@pytest.mark.parametrize("d", [128, 64], ids=["d128", "d64-wide"])
+def test_repeat_relaunches_bitwise(d, causal, persistent, monkeypatch):
     """A plain call seen before relaunches the kept Gluon launch around fresh descriptors of new tensors, and gives
-    bitwise what the full path gave."""
+    bitwise what the full path gave (d = 64: the 192-row tile, whose Q comes in three boxes)."""
     monkeypatch.setattr(F, "_STEPS", {})
     starts = []
     start = F.forward_sm90.start
     monkeypatch.setattr(F.forward_sm90, "start", lambda *a, **kw: starts.append(1) or start(*a, **kw))
-    q, k, v = _inputs(2, 300, 300, 4, 2, 128, 128, torch.bfloat16, seed=3, device="cuda")
-    cfg = replace(_FWD_WS[causal][128], persistent=persistent)
+    q, k, v = _inputs(2, 300, 300, 4, 2, d, d, torch.bfloat16, seed=3, device="cuda")
+    cfg = replace(_FWD_WS[causal][128] if d == 128 else _FWD_WS_WIDE[causal], persistent=persistent)
     first = F.forward(q, k, v, 0.1, causal, config=cfg)
     again = F.forward(q.clone(), k.clone(), v.clone(), 0.1, causal, config=cfg)
     assert len(starts) == 1 and len(F._STEPS) == 1  # the second call was a repeat
