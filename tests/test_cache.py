@@ -382,3 +382,17 @@ def test_streaming_memory_stays_flat_on_the_gpu():
             torch.cuda.reset_peak_memory_stats()
         cache.attend(q, k, k)
     assert max(peaks[2:]) <= peaks[1] + 2**20, f"peak memory per capacity-length stretch grew: {peaks}"
+
+
+def test_streaming_refuses_bad_keywords_before_the_ring_write():
+    """Once a sequence has wrapped, a one-token step writes into the ring before it attends: a refused keyword
+    (backend, scale, num_splits...) leaves the cache as it was, and the next step answers as if it never came."""
+    gen = torch.Generator().manual_seed(7)
+    cache = StreamingCache(1, 3, 1, 1, 8, dtype=torch.float64, device=DEVICE)
+    cache.append(_randn(gen, 1, 6, 1, 8), _randn(gen, 1, 6, 1, 8))
+    before = cache.k.clone(), cache.v.clone()
+    q, k, v = _randn(gen, 1, 1, 1, 8), _randn(gen, 1, 1, 1, 8), _randn(gen, 1, 1, 1, 8)
+    for bad in ({"backend": "bogus"}, {"softmax_scale": float("nan")}, {"num_splits": -1}, {"causal": 1}):
+        with pytest.raises((ValueError, TypeError)):
+            cache.attend(q, k, v, **bad)
+        assert torch.equal(cache.k, before[0]) and torch.equal(cache.v, before[1]) and cache.seen == (6,)

@@ -466,3 +466,26 @@ def test_kvcache_devices():
 
 def test_kvcache_triton_backend_refuses_float64():
     _raises(TypeError, "q", _kvcall(_kv(dtype=torch.float64), backend="triton"), "float64")
+
+
+def test_kvcache_refuses_caches_whose_elements_share_memory():
+    """The caches are written in place: an expanded cache (one write would land in every batch row) and a v_cache
+    that is k_cache are refused; separate views of one buffer (a fused [.., 2 · D] layout) are not."""
+    t = _kv()
+    expanded = torch.zeros(1, 32, 2, 8).expand(2, 32, 2, 8)
+    _raises(ValueError, "k_cache", _kvcall(t, k_cache=expanded), "strides")
+    _raises(ValueError, "v_cache", _kvcall(t, v_cache=expanded), "strides")
+    _raises(ValueError, "v_cache", _kvcall(t, v_cache=t["k_cache"]))
+    fused = torch.zeros(2, 32, 2, 16)
+    assert _kvcall(t, k_cache=fused[..., :8], v_cache=fused[..., 8:])().shape == (2, 1, 4, 8)
+
+
+def test_triton_backend_on_the_interpreter_refuses_bfloat16():
+    """Triton 3.6's interpreter computes bfloat16 dots wrongly: a CPU call forced onto backend='triton' is refused
+    (TypeError naming the tensor) rather than answered wrongly; merges, which multiply no matrices, still run."""
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    _raises(TypeError, "q", lambda: onlineattn.attention(q, k, v, backend="triton"), "bfloat16")
+    _raises(TypeError, "q", _kvcall(_kv(dtype=torch.bfloat16), backend="triton"), "bfloat16")
+    o, lse = torch.randn(2, 3, 4, 8, dtype=torch.bfloat16), torch.randn(2, 4, 3)
+    merged, _ = onlineattn.merge_states(o, lse, o, lse, backend="triton")
+    assert torch.allclose(merged.float(), o.float())

@@ -309,6 +309,10 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> Cach
     The checks read only metadata, so a call whose metadata (shapes, strides, dtypes, devices, an int length) equals
     that of a call that passed returns the same sizes without repeating them: one decoding step after another costs
     a dictionary lookup (~1 µs) instead of the checks (~7 µs on the CPU machine)."""
+    if isinstance(k_cache, torch.Tensor) and isinstance(v_cache, torch.Tensor) and k_cache.numel() and (
+            k_cache.data_ptr() == v_cache.data_ptr()):
+        raise ValueError("k_cache and v_cache must be separate memory (both are written in place), got views that "
+                         "start at the same address")
     metas = tuple(_tensor_meta(x) for x in (q, k_cache, v_cache, k, v, block_table))
     seqlens = cache_seqlens if type(cache_seqlens) is int else _tensor_meta(cache_seqlens)
     key = None if None in metas or seqlens is None else (metas, seqlens)
@@ -361,6 +365,9 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> Cac
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have stride 1 in its last dim (it is written in place, so it cannot be "
                              f"copied), got strides {x.stride()}")
+        if any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride())):  # an expand(): one write lands in many rows
+            raise ValueError(f"{name} is written in place, so its elements must not share memory, got shape "
+                             f"{tuple(x.shape)} with strides {x.stride()}")
     new = _check_new_tokens(k, v, b, hkv, d, dv, k_cache.dtype)
     _same_device(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,
                  cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None)

@@ -27,9 +27,11 @@ def _triton_forward_available() -> bool:
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _resolve_backend(backend: str, **tensors: torch.Tensor) -> str:
+def _resolve_backend(backend: str, dots: bool = True, **tensors: torch.Tensor) -> str:
     """``auto``: Triton when the tensors are on CUDA in a kernel dtype, torch otherwise (float64 stays exact on the
-    torch path). The first tensor decides the device; the names appear in the errors of a forced ``"triton"``."""
+    torch path). The first tensor decides the device; the names appear in the errors of a forced ``"triton"``.
+    ``dots``: the kernels multiply matrices (not so merges and appends), which Triton's interpreter gets wrong in
+    bfloat16."""
     backend = V.check_backend(backend)
     first = next(iter(tensors.values()))
     if backend == "auto":
@@ -46,6 +48,11 @@ def _resolve_backend(backend: str, **tensors: torch.Tensor) -> str:
             raise ValueError(
                 f"backend='triton' with tensors on {first.device} needs TRITON_INTERPRET=1 set before triton is imported"
             )
+        if dots and not first.is_cuda:  # Triton 3.6's interpreter computes bfloat16 dots wrongly: refuse, not garble
+            for name, x in tensors.items():
+                if x.dtype == torch.bfloat16:
+                    raise TypeError(f"backend='triton' on {first.device} (Triton's interpreter) cannot compute "
+                                    f"bfloat16: {name} has dtype bfloat16 (use float16, float32 or 'torch')")
     return backend
 
 
@@ -217,7 +224,7 @@ def _dispatch(backend, q, k, v, scale, causal, mods, return_lse, deterministic=T
 def _merge_backend(backend: str, **states: torch.Tensor) -> str:
     """The merge kernel has no backward: where autograd needs a graph, ``auto`` takes the (differentiable) torch
     path and a forced ``"triton"`` is refused rather than silently cutting the gradient."""
-    resolved = _resolve_backend(backend, **states)
+    resolved = _resolve_backend(backend, False, **states)
     if resolved == "triton" and torch.is_grad_enabled() and any(x.requires_grad for x in states.values()):
         if backend == "triton":
             raise NotImplementedError("backend='triton' merges have no backward; use backend='auto' or 'torch' for "
@@ -310,7 +317,8 @@ def attention_with_kvcache(
         q: ``[batch, seqlen_q, heads_q, head_dim]``; ``seqlen_q`` may exceed 1 (speculative decoding, chunked prefill).
         k_cache: contiguous ``[batch, max_seqlen, heads_kv, head_dim]``, or with ``block_table`` a page pool
             ``[num_pages, page_size, heads_kv, head_dim]`` (``page_size`` a multiple of 16). Its last dim must have
-            stride 1, since it is written in place.
+            stride 1, since it is written in place, and no two of its elements may share memory (no ``expand``);
+            ``v_cache`` must be other memory, and ``k``/``v`` must not be views into the caches.
         v_cache: ``[batch, max_seqlen, heads_kv, head_dim_v]`` or ``[num_pages, page_size, heads_kv, head_dim_v]``.
         k, v: optional new tokens ``[batch, seqlen_new, heads_kv, head_dim(_v)]`` in the cache's dtype, written into
             the caches at positions ``cache_seqlens[b] + [0, seqlen_new)`` before attending.
@@ -351,12 +359,8 @@ def attention_with_kvcache(
         V.check_unsupported(name, value, default, "by attention_with_kvcache (decoding has no score variants); "
                             "attention() takes it over the cached keys")
     dims = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
-    scale = V.check_scale(softmax_scale, dims.head_dim)
-    causal = V.check_bool("causal", causal)
-    return_lse = V.check_bool("return_lse", return_lse)
-    check_indices = V.check_bool("check_indices", check_indices)
-    num_splits = V.check_num_splits(num_splits)
-    backend = _resolve_backend(backend, q=q)
+    scale, causal, return_lse, check_indices, num_splits, backend = kvcache_keywords(
+        q, softmax_scale, causal, return_lse, check_indices, num_splits, backend)
     max_seqlen_k = V.check_kvcache_indices(cache_seqlens, block_table, dims) if check_indices else None
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((dims.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
@@ -374,11 +378,19 @@ def attention_with_kvcache(
     return (o, lse) if return_lse else o
 
 
+def kvcache_keywords(q, softmax_scale, causal, return_lse, check_indices, num_splits, backend) -> tuple:
+    """``attention_with_kvcache``'s keywords, checked for ``q [B, Sq, Hq, D]`` (itself checked): (scale, causal,
+    return_lse, check_indices, num_splits, backend). ``onlineattn.cache`` checks them before writing a token."""
+    return (V.check_scale(softmax_scale, q.shape[-1]), V.check_bool("causal", causal),
+            V.check_bool("return_lse", return_lse), V.check_bool("check_indices", check_indices),
+            V.check_num_splits(num_splits), _resolve_backend(backend, q=q))
+
+
 def _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None, backend="auto") -> None:
     """Write new tokens into a cache in place without attending (for ``onlineattn.cache``, which owns and has checked
     every index): ``k [B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + [0, S_new)``, ``cache_seqlens`` int32
     ``[B]`` on the cache's device. Triton on CUDA, ``index_put_`` elsewhere."""
-    if _resolve_backend(backend, k=k) == "triton":
+    if _resolve_backend(backend, False, k=k) == "triton":
         from .ops import cache
 
         cache.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)

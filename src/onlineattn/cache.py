@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import _validate as V
-from .api import _append_kv, attention_with_kvcache
+from .api import _append_kv, attention_with_kvcache, kvcache_keywords
 
 
 class CacheFullError(RuntimeError):
@@ -371,6 +371,7 @@ class StreamingCache(_Buffers):
         new = self._check_tokens(k, v, self.batch_size)
         kw = dict(causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
                   check_indices=False, backend=backend)
+        kvcache_keywords(q, softmax_scale, causal, return_lse, False, num_splits, backend)  # refused before a write
         if all(seen + new <= self.capacity for seen in self._seen):  # nothing evicted: tokens in order
             retained = self._seen_dev.to(torch.int32)
             out = attention_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=retained, **kw)

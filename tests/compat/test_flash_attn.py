@@ -203,3 +203,22 @@ def test_with_kvcache_features_onlineattn_lacks_raise_naming_them(keyword):
     q, cache = torch.randn(1, 1, 2, 8), torch.zeros(1, 4, 2, 8)
     with pytest.raises(NotImplementedError, match=f"{keyword}=a Tensor is not supported by onlineattn"):
         FA.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=2, **{keyword: torch.zeros(1, dtype=torch.int32)})
+
+
+@pytest.mark.parametrize("call,packed,layout", [
+    (lambda x: FA.flash_attn_qkvpacked_func(x), torch.randn(2, 5, 4, 16), "qkv"),
+    (lambda x: FA.flash_attn_qkvpacked_func(x), torch.randn(2, 5, 3, 2), "qkv"),
+    (lambda x: FA.flash_attn_kvpacked_func(torch.randn(1, 5, 2, 16), x), torch.randn(1, 5, 3, 2, 16), "kv"),
+    (lambda x: FA.flash_attn_varlen_qkvpacked_func(x, torch.tensor([0, 5], dtype=torch.int32), 5),
+     torch.randn(5, 2, 2, 16), "qkv"),
+    (lambda x: FA.flash_attn_varlen_kvpacked_func(torch.randn(5, 2, 16), x, torch.tensor([0, 5], dtype=torch.int32),
+                                                  torch.tensor([0, 5], dtype=torch.int32), 5, 5),
+     torch.randn(5, 2, 2, 2, 16), "kv"),
+])
+def test_packed_variants_refuse_a_bad_pack_naming_it(call, packed, layout):
+    """A pack of the wrong rank or with the wrong count along its packed dim raises ValueError naming ``qkv``/``kv``
+    with the layout it expects; a non-tensor raises TypeError."""
+    with pytest.raises(ValueError, match=rf"^{layout} must be \["):
+        call(packed)
+    with pytest.raises(TypeError, match=rf"^{layout} must be a torch.Tensor"):
+        call([packed])

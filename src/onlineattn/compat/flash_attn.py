@@ -91,6 +91,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     return _returned(api.attention(q, k, v, deterministic=deterministic, return_lse=True, **kwargs), return_attn_probs)
 
 
+def _unpack(name, packed, layout, ndim, dim, parts):
+    """The ``parts`` views of a packed tensor (``layout``: ``ndim`` dims, ``parts`` of them along ``dim``)."""
+    if not isinstance(packed, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(packed).__name__}")
+    if packed.dim() != ndim or packed.shape[dim] != parts:
+        raise ValueError(f"{name} must be {layout} ({parts} along dim {dim}), got shape {tuple(packed.shape)}")
+    return packed.unbind(dim=dim)
+
+
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
                               softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """flash-attn's ``flash_attn_qkvpacked_func``: ``qkv [batch, seqlen, 3, heads, head_dim]``; otherwise as
@@ -104,7 +113,7 @@ def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=Fal
         >>> torch.equal(out, flash_attn.flash_attn_func(*qkv.unbind(2), causal=True))
         True
     """
-    q, k, v = qkv.unbind(dim=2)
+    q, k, v = _unpack("qkv", qkv, "[batch, seqlen, 3, heads, head_dim]", 5, 2, 3)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs)
 
@@ -121,7 +130,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
         >>> flash_attn.flash_attn_kvpacked_func(q, kv).shape
         torch.Size([1, 3, 4, 16])
     """
-    k, v = kv.unbind(dim=2)
+    k, v = _unpack("kv", kv, "[batch, seqlen_k, 2, heads_kv, head_dim]", 5, 2, 2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs)
 
@@ -182,7 +191,7 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
         >>> flash_attn.flash_attn_varlen_qkvpacked_func(qkv, cu, 7).shape
         torch.Size([10, 4, 16])
     """
-    q, k, v = qkv.unbind(dim=1)
+    q, k, v = _unpack("qkv", qkv, "[total, 3, heads, head_dim]", 4, 1, 3)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
                                   causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
 
@@ -200,7 +209,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
         >>> flash_attn.flash_attn_varlen_kvpacked_func(q, kv, cu, cu, 7, 7).shape
         torch.Size([10, 4, 16])
     """
-    k, v = kv.unbind(dim=1)
+    k, v = _unpack("kv", kv, "[total_k, 2, heads_kv, head_dim]", 4, 1, 2)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                                   return_attn_probs)
