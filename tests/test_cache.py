@@ -289,7 +289,8 @@ def test_paged_cache_gives_pages_back_when_the_call_is_refused():
 @pytest.mark.parametrize(
     "kwargs,exc,match",
     [({"page_size": 24}, ValueError, "multiple of 16"), ({"num_pages": 0}, ValueError, "num_pages"),
-     ({"max_seqs": 2.0}, TypeError, "max_seqs"), ({"dtype": torch.int32}, TypeError, "dtype")],
+     ({"max_seqs": 2.0}, TypeError, "max_seqs"), ({"dtype": torch.int32}, TypeError, "dtype"),
+     ({"head_dim": 257}, ValueError, "head_dim must be at most 256"), ({"device": "gpu"}, ValueError, "device")],
 )
 def test_paged_cache_bad_construction(kwargs, exc, match):
     args = {"num_pages": 4, "page_size": 16, "heads_kv": 1, "head_dim": 8, "max_seqs": 2, "max_seqlen": 32, **kwargs}
@@ -396,3 +397,17 @@ def test_streaming_refuses_bad_keywords_before_the_ring_write():
         with pytest.raises((ValueError, TypeError)):
             cache.attend(q, k, v, **bad)
         assert torch.equal(cache.k, before[0]) and torch.equal(cache.v, before[1]) and cache.seen == (6,)
+
+
+def test_caches_name_bad_seqs_and_oversized_steps():
+    """``seqs`` given as one int rather than a list raises TypeError naming it; a step with more new tokens than a
+    sequence holds says so (not a length bound below zero)."""
+    cache = KVCache(2, 8, 1, 8, dtype=torch.float32, device=DEVICE)
+    k = torch.randn(1, 1, 1, 8, device=DEVICE)
+    with pytest.raises(TypeError, match="seqs must be a list"):
+        cache.append(k, k, seqs=0)
+    streaming = StreamingCache(1, 3, 1, 1, 8, dtype=torch.float32, device=DEVICE)
+    k6 = torch.randn(1, 6, 1, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="k has 6 new tokens, more than the cache holds"):
+        streaming.attend(torch.randn(1, 6, 1, 8, device=DEVICE), k6, k6)
+    assert streaming.seen == (0,) and not streaming.k.any()

@@ -163,6 +163,10 @@ BAD_CALLS = {
     "mask-shape": (dict(attn_mask=torch.ones(4, 5, dtype=torch.bool)), ValueError, "attn_mask of shape"),
     "mask-dtype": (dict(attn_mask=torch.ones(3, 5, dtype=torch.int32)), TypeError, "attn_mask must be bool"),
     "scale": (dict(scale="0.1"), TypeError, "scale must be"),
+    "scale-nan": (dict(scale=float("nan")), ValueError, "scale must be finite"),
+    "scale-past-float32": (dict(scale=1e39), ValueError, "scale must be finite in float32"),
+    "dropout-type": (dict(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
+    "gqa-type": (dict(enable_gqa="yes"), TypeError, "enable_gqa must be a bool"),
     "causal-type": (dict(is_causal=1), TypeError, "is_causal must be a bool"),
 }
 

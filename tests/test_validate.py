@@ -409,10 +409,28 @@ def test_kvcache_checks_run_once_per_metadata(monkeypatch):
 
 
 def test_kvcache_sparse_lengths_get_the_checks_error():
-    """Sparse tensors (CSR ones raise on stride()) are left to the checks, which name the argument."""
+    """Sparse tensors (CSR ones raise on stride()) are left to the checks, which refuse them naming the argument."""
     t = _kv()
     sparse = torch.tensor([[3, 3]], dtype=torch.int32).to_sparse()
-    _raises(ValueError, "cache_seqlens", _kvcall(t, cache_seqlens=sparse), (2,))
+    _raises(TypeError, "cache_seqlens", _kvcall(t, cache_seqlens=sparse), "dense")
+
+
+def test_sparse_and_nested_tensors_are_refused_naming_them():
+    q, k, v = _qkv()
+    _raises(TypeError, "k", lambda: onlineattn.attention(q, k.to_sparse(), v), "dense", "sparse")
+    nested = torch.nested.nested_tensor([torch.randn(5, 4, 8), torch.randn(3, 4, 8)], layout=torch.jagged)
+    _raises(TypeError, "q", lambda: onlineattn.attention(nested, k, v), "dense")
+
+
+@pytest.mark.parametrize("kw,arg", [({"softmax_scale": 1e39}, "softmax_scale"),
+                                    ({"softmax_scale": -1e39}, "softmax_scale"), ({"softcap": 1e300}, "softcap"),
+                                    ({"softcap": 1e-40}, "softcap")])
+def test_scale_and_softcap_must_fit_float32(kw, arg):
+    """The kernels compute in float32: a scale or softcap past its range (inf there), or a subnormal softcap (0 on
+    the GPU, so 0 / 0 for a zero score), is refused rather than turned into NaN."""
+    q, k, v = _qkv()
+    _raises(ValueError, arg, lambda: onlineattn.attention(q, k, v, **kw), "float32")
+    assert not onlineattn.attention(torch.zeros_like(q), k, v, softcap=1e-30).isnan().any()
 
 
 @pytest.mark.parametrize(

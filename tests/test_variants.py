@@ -556,3 +556,13 @@ def test_ops_with_variants_pass_opcheck_gpu():
     o, lse = torch.ops.onlineattn.attention_fwd(q, k, v, 0.25, True, *mods)
     torch.library.opcheck(torch.ops.onlineattn.attention_bwd,
                           (do, q, k, v, o, lse, None, 0.25, True, *mods, None, None, 0, 0, True))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_varlen_maxima_past_the_packed_length_give_the_same_answer(backend):
+    """``max_seqlen_*`` may exceed every sequence (flash-attn accepts an upper bound); one past the packed length
+    (2**31 here, which would size the grid) gives what the true maxima give, without launching empty programs."""
+    torch.manual_seed(0)
+    exact = _varlen(max_q=5, max_k=5, backend=backend)()
+    torch.manual_seed(0)  # the same q, k and v
+    assert torch.equal(_varlen(max_q=2**31, max_k=2**31, backend=backend)(), exact)

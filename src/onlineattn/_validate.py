@@ -15,6 +15,8 @@ import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # scale and softcap reach the kernels as float32
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # the least normal float32 (GPUs flush smaller ones to 0)
 BACKENDS = ("auto", "torch", "triton")
 PAGE_MULTIPLE = 16  # paged caches: the page size must be a multiple of this (a key block of the decode kernel)
 MAX_NUM_SPLITS = 65535  # split-KV decoding launches one program column per split; CUDA caps a grid dim there
@@ -40,6 +42,8 @@ class Dims:
 def check_tensor(name: str, x, *, ndim: int | None = None, dtypes=FLOAT_DTYPES) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.layout != torch.strided or x.is_nested:
+        raise TypeError(f"{name} must be a dense (strided) tensor, got a {'nested' if x.is_nested else x.layout} one")
     if dtypes is not None and x.dtype not in dtypes:
         allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
         raise TypeError(f"{name} has dtype {str(x.dtype).replace('torch.', '')}; expected one of {allowed}")
@@ -73,14 +77,14 @@ def check_qkv(q, k, v) -> Dims:
     return Dims(b, sq, k.shape[1], hq, hkv, d, v.shape[3])
 
 
-def check_scale(softmax_scale, head_dim: int) -> float:
-    """Return the softmax scale as a float: ``None`` means ``1/sqrt(head_dim)``."""
+def check_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> float:
+    """Return the softmax scale as a float: ``None`` means ``1/sqrt(head_dim)``. ``name``: the caller's keyword."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
+        raise TypeError(f"{name} must be a float or None, got {type(softmax_scale).__name__}")
+    if not math.isfinite(softmax_scale) or abs(softmax_scale) > FLOAT32_MAX:
+        raise ValueError(f"{name} must be finite in float32 (|{name}| <= {FLOAT32_MAX:.4g}), got {softmax_scale}")
     return float(softmax_scale)
 
 
@@ -137,6 +141,16 @@ def check_window(window_size) -> tuple[int, int]:
         if x < -1:
             raise ValueError(f"window_size's {side} side must be -1 (unbounded) or >= 0, got {x}")
     return int(window_size[0]), int(window_size[1])
+
+
+def check_softcap(softcap) -> float:
+    """``softcap``: 0 (off), or a normal float32 number (it divides the scores in float32: a subnormal one flushes
+    to 0 on the GPU, a larger one than float32 holds is inf)."""
+    value = check_nonnegative_float("softcap", softcap)
+    if value and not FLOAT32_TINY <= value <= FLOAT32_MAX:
+        raise ValueError(f"softcap must be 0 or a normal float32 number, in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}], "
+                         f"got {value}")
+    return value
 
 
 def check_nonnegative_float(name: str, value, *, below_one: bool = False) -> float:
@@ -369,6 +383,8 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> Cac
             raise ValueError(f"{name} is written in place, so its elements must not share memory, got shape "
                              f"{tuple(x.shape)} with strides {x.stride()}")
     new = _check_new_tokens(k, v, b, hkv, d, dv, k_cache.dtype)
+    if new > capacity:
+        raise ValueError(f"k has {new} new tokens, more than the cache holds ({capacity} tokens a sequence)")
     _same_device(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,
                  cache_seqlens=cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None)
     _check_cache_seqlens(cache_seqlens, b, new, capacity)

@@ -159,7 +159,8 @@ def attention_varlen(
         cu_seqlens_q, cu_seqlens_k: int32 ``[batch + 1]`` on q's device: sequence b holds rows
             ``cu_seqlens[b]:cu_seqlens[b + 1]``. They start at 0, never decrease and end at total_q / total_k; a
             sequence may be empty. Checked on the host (one device-to-host copy).
-        max_seqlen_q, max_seqlen_k: at least the longest sequence (the kernels' grid is sized by them).
+        max_seqlen_q, max_seqlen_k: at least the longest sequence (the kernels' grid is sized by them; a value past
+            the packed length counts as that length).
         Other keywords: as ``attention``, each sequence attended on its own, bottom-right aligned with its own
         lengths (``alibi_slopes`` may be ``[batch, heads_q]``). ``attn_bias`` is not supported here.
 
@@ -175,6 +176,9 @@ def attention_varlen(
         True
     """
     vd = V.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    # The kernels' grid is sized by the maxima: one past the packed length (2**31, say) would launch empty programs
+    # by the billion. No sequence is longer than its packed tensor.
+    max_seqlen_q, max_seqlen_k = min(max_seqlen_q, max(vd.total_q, 1)), min(max_seqlen_k, max(vd.total_k, 1))
     scale = V.check_scale(softmax_scale, vd.dims.head_dim)
     causal = V.check_bool("causal", causal)
     return_lse = V.check_bool("return_lse", return_lse)
@@ -194,7 +198,7 @@ def _mods(q, batch, heads_q, seqlen_q, seqlen_k, window_size, softcap, alibi_slo
           generator) -> Mods:
     """Check the variant keywords and gather them (drawing dropout's seed) into a ``Mods``; PLAIN when unused."""
     left, right = V.check_window(window_size)
-    softcap = V.check_nonnegative_float("softcap", softcap)
+    softcap = V.check_softcap(softcap)
     dropout_p = V.check_nonnegative_float("dropout_p", dropout_p, below_one=True)
     if alibi_slopes is not None:
         V.check_alibi_slopes(alibi_slopes, batch, heads_q, q.device)

@@ -45,8 +45,15 @@ class _Buffers:
         self.heads_kv = _count("heads_kv", heads_kv)
         self.head_dim = _count("head_dim", head_dim)
         self.head_dim_v = head_dim if head_dim_v is None else _count("head_dim_v", head_dim_v)
+        for name, dim in (("head_dim", self.head_dim), ("head_dim_v", self.head_dim_v)):
+            if dim > V.MAX_HEAD_DIM:  # what attention_with_kvcache takes, refused now rather than at the first call
+                raise ValueError(f"{name} must be at most {V.MAX_HEAD_DIM}, got {dim}")
         if dtype not in V.FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {', '.join(map(str, V.FLOAT_DTYPES))}, got {dtype}")
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(f"device must name a torch device, got {device!r} ({error})") from None
         self.k = torch.zeros((*lead, heads_kv, head_dim), dtype=dtype, device=device)
         self.v = torch.zeros((*lead, heads_kv, self.head_dim_v), dtype=dtype, device=device)
 
@@ -63,6 +70,8 @@ class _Buffers:
 
     def _check_seqs(self, seqs, live, what: str) -> list[int]:
         """Distinct sequence ids, each in ``live``."""
+        if isinstance(seqs, (int, torch.Tensor)) or not hasattr(seqs, "__iter__"):
+            raise TypeError(f"seqs must be a list of sequence ids (or None for all), got {type(seqs).__name__}")
         seqs = list(seqs)
         for s in seqs:
             if isinstance(s, bool) or not isinstance(s, int) or s not in live:

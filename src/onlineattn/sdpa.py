@@ -19,6 +19,7 @@ from .api import attention
 
 
 def _check_tensors(query, key, value, enable_gqa) -> None:
+    V.check_bool("enable_gqa", enable_gqa)
     for name, x in (("query", query), ("key", key), ("value", value)):
         V.check_tensor(name, x)
         if x.dim() < 3:
@@ -39,18 +40,10 @@ def _check_tensors(query, key, value, enable_gqa) -> None:
         raise ValueError(f"key's head dim must equal query's: expected {query.shape[-1]}, got {key.shape[-1]}")
     hq, hkv = query.shape[-3], key.shape[-3]
     if hq != hkv and hkv != 1:  # SDPA broadcasts a single kv head even without enable_gqa
-        if not V.check_bool("enable_gqa", enable_gqa):
+        if not enable_gqa:
             raise ValueError(f"key has {hkv} heads and query {hq}: pass enable_gqa=True for grouped-query attention")
         if hkv == 0 or hq % hkv:
             raise ValueError(f"key has {hkv} heads, which does not divide query's {hq} heads")
-
-
-def _check_scale(scale, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise TypeError(f"scale must be a finite float or None, got {scale!r}")
-    return float(scale)
 
 
 def _check_mask(attn_mask, query, key, want_shape) -> None:
@@ -147,10 +140,9 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     _check_tensors(query, key, value, enable_gqa)
     lead, hq, sq, d = query.shape[:-3], *query.shape[-3:]
     hkv, sk, dv = key.shape[-3], key.shape[-2], value.shape[-1]
-    scale = _check_scale(scale, d)
+    scale = V.check_scale(scale, d, name="scale")
     is_causal = V.check_bool("is_causal", is_causal)
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    dropout_p = V.check_nonnegative_float("dropout_p", dropout_p, below_one=True)
     backend = V.check_backend(backend)
     batch = math.prod(lead)
     # [..., H, S, D] -> [B, S, H, D]: a view for 4-D inputs, a reshape of the leading dims otherwise

@@ -71,6 +71,7 @@ def test_unshard_inverts_shard(layout, world):
         ((torch.zeros(1, 8, 2, 4), 2, 2, "zigzag"), ValueError, r"rank must be in \[0, 2\)"),
         ((torch.zeros(1, 8, 2, 4), 0, 0, "zigzag"), ValueError, "world must be >= 1"),
         (([1, 2], 0, 1, "zigzag"), TypeError, "x must be a torch.Tensor"),
+        ((torch.zeros(()), 0, 1, "contiguous"), ValueError, "x must have a sequence dim"),
     ],
 )
 def test_shard_sequence_rejects_bad_calls(args, error, match):
@@ -87,6 +88,10 @@ def test_unshard_rejects_bad_calls():
         unshard_sequence([torch.zeros(1, 3, 2, 3)], "zigzag")
     with pytest.raises(TypeError, match="non-empty list"):
         unshard_sequence([])
+    with pytest.raises(TypeError, match="share one dtype"):  # not promoted silently
+        unshard_sequence([torch.zeros(1, 4, 2, 3), torch.zeros(1, 4, 2, 3, dtype=torch.float16)])
+    with pytest.raises(ValueError, match="sequence dim"):
+        unshard_sequence([torch.zeros(()), torch.zeros(())], seq_dim=0)
 
 
 @pytest.mark.parametrize("layout", L.LAYOUTS)

@@ -242,3 +242,18 @@ def test_mask_for_a_longer_static_cache_is_cut_to_the_keys():
     out, weights = integration.attention_forward(layer, q, k, k, mask)
     want, _ = integration.attention_forward(layer, q, k[:, :, :4], k[:, :, :4], None, is_causal=False)
     assert weights is None and torch.allclose(out, want, atol=1e-6)
+
+
+def test_bad_arguments_name_the_interfaces_keywords():
+    """Errors name what transformers passes: ``attention_mask`` (not a tensor), ``dropout`` (not ``dropout_p``) and
+    ``s_aux`` (not ``sinks``)."""
+    layer = torch.nn.Module()
+    q = torch.randn(1, 2, 3, 8)
+    with pytest.raises(TypeError, match="attention_mask must be a torch.Tensor"):
+        integration.attention_forward(layer, q, q, q, [[True]])
+    with pytest.raises(TypeError, match="^dropout must be a float"):
+        integration.attention_forward(layer, q, q, q, None, dropout=None)
+    with pytest.raises(ValueError, match="^dropout must be finite"):
+        integration.attention_forward(layer, q, q, q, None, dropout=1.5)
+    with pytest.raises(ValueError, match=r"^s_aux must be a tensor of one sink logit per query head, shape \(2,\)"):
+        integration.attention_forward(layer, q, q, q, None, s_aux=torch.randn(3))

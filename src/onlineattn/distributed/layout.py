@@ -64,10 +64,12 @@ def shard_sequence(x: torch.Tensor, rank: int, world: int, layout: str = "contig
         ([0, 1, 6, 7], [2, 3, 4, 5])
     """
     V.check_tensor("x", x, dtypes=None)
+    if x.dim() == 0:
+        raise ValueError("x must have a sequence dim, got a 0-d tensor")
     layout = check_layout(layout)
     world = _check_int("world", world, 1)
     rank = _check_int("rank", rank, 0, world)
-    seq_dim = _check_int("seq_dim", seq_dim, 0, max(x.dim(), 1))
+    seq_dim = _check_int("seq_dim", seq_dim, 0, x.dim())
     pieces = world * chunks_per_rank(layout)
     s = x.shape[seq_dim]
     if s % pieces:
@@ -97,8 +99,13 @@ def unshard_sequence(shards, layout: str = "contiguous", *, seq_dim: int = 1) ->
         if x.shape != shards[0].shape:
             raise ValueError(f"shards must share one shape: shards[0] is {tuple(shards[0].shape)}, "
                              f"shards[{r}] is {tuple(x.shape)}")
+        if x.dtype != shards[0].dtype or x.device != shards[0].device:
+            raise TypeError(f"shards must share one dtype and device: shards[0] is {shards[0].dtype} on "
+                            f"{shards[0].device}, shards[{r}] is {x.dtype} on {x.device}")
+    if shards[0].dim() == 0:
+        raise ValueError("shards must have a sequence dim, got 0-d tensors")
     layout = check_layout(layout)
-    seq_dim = _check_int("seq_dim", seq_dim, 0, max(shards[0].dim(), 1))
+    seq_dim = _check_int("seq_dim", seq_dim, 0, shards[0].dim())
     world = len(shards)
     per_rank = chunks_per_rank(layout)
     n = shards[0].shape[seq_dim]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _validate as V
 from ..api import attention
 from ..sdpa import mask_as_bias, sdpa
 
@@ -53,6 +54,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         >>> out.shape, weights
         (torch.Size([1, 6, 4, 16]), None)
     """
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise TypeError(f"attention_mask must be a torch.Tensor or None, got {type(attention_mask).__name__}")
+    dropout = V.check_nonnegative_float("dropout", dropout, below_one=True)  # the interface's name, not dropout_p
     q_len = query.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -62,6 +66,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is not None and attention_mask.shape[-1] > key.shape[2]:
         attention_mask = attention_mask[..., : key.shape[2]]  # older versions build masks for the whole static cache
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (query.shape[1],)):
+        raise ValueError(f"s_aux must be a tensor of one sink logit per query head, shape ({query.shape[1]},), got "
+                         f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
     if softcap or sinks is not None:
         return _with_score_variants(query, key, value, attention_mask, causal, scaling, dropout, softcap, sinks), None
     out = sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal, scale=scaling,
