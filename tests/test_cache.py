@@ -290,7 +290,8 @@ def test_paged_cache_gives_pages_back_when_the_call_is_refused():
     "kwargs,exc,match",
     [({"page_size": 24}, ValueError, "multiple of 16"), ({"num_pages": 0}, ValueError, "num_pages"),
      ({"max_seqs": 2.0}, TypeError, "max_seqs"), ({"dtype": torch.int32}, TypeError, "dtype"),
-     ({"head_dim": 257}, ValueError, "head_dim must be at most 256"), ({"device": "gpu"}, ValueError, "device")],
+     ({"head_dim": 257}, ValueError, "head_dim must be at most 256"), ({"device": "gpu"}, ValueError, "device"),
+     ({"device": 1.5}, TypeError, "device must be")],
 )
 def test_paged_cache_bad_construction(kwargs, exc, match):
     args = {"num_pages": 4, "page_size": 16, "heads_kv": 1, "head_dim": 8, "max_seqs": 2, "max_seqlen": 32, **kwargs}
@@ -406,6 +407,7 @@ def test_caches_name_bad_seqs_and_oversized_steps():
     k = torch.randn(1, 1, 1, 8, device=DEVICE)
     with pytest.raises(TypeError, match="seqs must be a list"):
         cache.append(k, k, seqs=0)
+    assert KVCache(1, 8, 1, 8, dtype=torch.float32, device=None).k.device == torch.empty(0).device  # the default
     streaming = StreamingCache(1, 3, 1, 1, 8, dtype=torch.float32, device=DEVICE)
     k6 = torch.randn(1, 6, 1, 8, device=DEVICE)
     with pytest.raises(ValueError, match="k has 6 new tokens, more than the cache holds"):

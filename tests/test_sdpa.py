@@ -166,8 +166,8 @@ BAD_CALLS = {
     "scale-nan": (dict(scale=float("nan")), ValueError, "scale must be finite"),
     "scale-past-float32": (dict(scale=1e39), ValueError, "scale must be finite in float32"),
     "dropout-type": (dict(dropout_p="0.1"), TypeError, "dropout_p must be a float"),
-    "gqa-type": (dict(enable_gqa="yes"), TypeError, "enable_gqa must be a bool"),
-    "causal-type": (dict(is_causal=1), TypeError, "is_causal must be a bool"),
+    "gqa-type": (dict(enable_gqa="yes"), TypeError, "enable_gqa must be a Python bool"),
+    "causal-type": (dict(is_causal=1), TypeError, "is_causal must be a Python bool"),
 }
 
 

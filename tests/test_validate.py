@@ -423,6 +423,7 @@ def test_sparse_and_nested_tensors_are_refused_naming_them():
 
 
 @pytest.mark.parametrize("kw,arg", [({"softmax_scale": 1e39}, "softmax_scale"),
+                                    ({"softmax_scale": 10**400}, "softmax_scale"),
                                     ({"softmax_scale": -1e39}, "softmax_scale"), ({"softcap": 1e300}, "softcap"),
                                     ({"softcap": 1e-40}, "softcap")])
 def test_scale_and_softcap_must_fit_float32(kw, arg):
@@ -487,8 +488,10 @@ def test_kvcache_triton_backend_refuses_float64():
 
 
 def test_kvcache_refuses_caches_whose_elements_share_memory():
-    """The caches are written in place: an expanded cache (one write would land in every batch row) and a v_cache
-    that is k_cache are refused; separate views of one buffer (a fused [.., 2 · D] layout) are not."""
+    """New tokens are written into the caches in place: an expanded cache (one write would land in every batch row)
+    and a v_cache that is k_cache are refused there; separate views of one buffer (a fused [.., 2 · D] layout) are
+    not, and without new tokens (a read-only step) shared memory is fine: a prompt prefix expanded over the batch,
+    an MLA-style v_cache that is a slice of k_cache."""
     t = _kv()
     expanded = torch.zeros(1, 32, 2, 8).expand(2, 32, 2, 8)
     _raises(ValueError, "k_cache", _kvcall(t, k_cache=expanded), "strides")
@@ -496,6 +499,11 @@ def test_kvcache_refuses_caches_whose_elements_share_memory():
     _raises(ValueError, "v_cache", _kvcall(t, v_cache=t["k_cache"]))
     fused = torch.zeros(2, 32, 2, 16)
     assert _kvcall(t, k_cache=fused[..., :8], v_cache=fused[..., 8:])().shape == (2, 1, 4, 8)
+    read = _kv(new=0)
+    prefix = torch.randn(1, 32, 2, 8).expand(2, 32, 2, 8)
+    o = _kvcall(read, k_cache=prefix, v_cache=prefix)()
+    assert torch.equal(o, _kvcall(read, k_cache=prefix.contiguous(), v_cache=prefix.contiguous())())
+    assert _kvcall(read, v_cache=read["k_cache"][..., :4])().shape == (2, 1, 4, 4)
 
 
 def test_triton_backend_on_the_interpreter_refuses_bfloat16():

@@ -9,6 +9,7 @@ and says what was expected and what came. Nothing here touches tensor data, so c
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -83,14 +84,16 @@ def check_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> fl
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"{name} must be a float or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(softmax_scale) or abs(softmax_scale) > FLOAT32_MAX:
+    if not abs(softmax_scale) <= FLOAT32_MAX:  # NaN fails the comparison too
         raise ValueError(f"{name} must be finite in float32 (|{name}| <= {FLOAT32_MAX:.4g}), got {softmax_scale}")
     return float(softmax_scale)
 
 
 def check_bool(name: str, value) -> bool:
     if not isinstance(value, bool):
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+        kind = type(value)
+        shown = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        raise TypeError(f"{name} must be a Python bool, got {shown}")
     return value
 
 
@@ -156,7 +159,7 @@ def check_softcap(softcap) -> float:
 def check_nonnegative_float(name: str, value, *, below_one: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (below_one and value >= 1):
+    if not 0 <= value <= sys.float_info.max or (below_one and value >= 1):  # NaN and huge ints fail too
         raise ValueError(f"{name} must be finite and in [0, {'1)' if below_one else 'inf)'}, got {value}")
     return float(value)
 
@@ -316,6 +319,13 @@ def _tensor_meta(x):
     return x.shape, x.stride(), x.dtype, x.device
 
 
+def _same_address(a, b) -> bool:
+    """Whether two plain, non-empty tensors start at one address (not read under tracing or functorch transforms,
+    where tensors have no storage)."""
+    return (type(a) is torch.Tensor and type(b) is torch.Tensor and a.numel() > 0 and not torch.compiler.is_compiling()
+            and not torch._C._are_functorch_transforms_active() and a.data_ptr() == b.data_ptr())
+
+
 def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> CacheDims:
     """Check the tensors of ``attention_with_kvcache`` (shapes, dtypes, devices; an int ``cache_seqlens`` against the
     capacity) and return their sizes. Tensor-valued lengths and page ids are checked by ``check_kvcache_indices``.
@@ -323,10 +333,9 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> Cach
     The checks read only metadata, so a call whose metadata (shapes, strides, dtypes, devices, an int length) equals
     that of a call that passed returns the same sizes without repeating them: one decoding step after another costs
     a dictionary lookup (~1 µs) instead of the checks (~7 µs on the CPU machine)."""
-    if type(k_cache) is torch.Tensor and type(v_cache) is torch.Tensor and k_cache.numel() and (  # not fake ones
-            k_cache.data_ptr() == v_cache.data_ptr()):
-        raise ValueError("k_cache and v_cache must be separate memory (both are written in place), got views that "
-                         "start at the same address")
+    if k is not None and _same_address(k_cache, v_cache):  # only writes need them apart; reads may share memory
+        raise ValueError("k_cache and v_cache must be separate memory when k and v are written into them, got views "
+                         "that start at the same address")
     metas = tuple(_tensor_meta(x) for x in (q, k_cache, v_cache, k, v, block_table))
     seqlens = cache_seqlens if type(cache_seqlens) is int else _tensor_meta(cache_seqlens)
     key = None if None in metas or seqlens is None else (metas, seqlens)
@@ -379,10 +388,11 @@ def _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> Cac
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must have stride 1 in its last dim (it is written in place, so it cannot be "
                              f"copied), got strides {x.stride()}")
-        if any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride())):  # an expand(): one write lands in many rows
-            raise ValueError(f"{name} is written in place, so its elements must not share memory, got shape "
-                             f"{tuple(x.shape)} with strides {x.stride()}")
     new = _check_new_tokens(k, v, b, hkv, d, dv, k_cache.dtype)
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if new and any(st == 0 and n > 1 for n, st in zip(x.shape, x.stride())):  # expanded: a write lands many times
+            raise ValueError(f"{name} takes k and v's tokens in place, so its elements must not share memory, got "
+                             f"shape {tuple(x.shape)} with strides {x.stride()}")
     if new > capacity:
         raise ValueError(f"k has {new} new tokens, more than the cache holds ({capacity} tokens a sequence)")
     _same_device(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=block_table,

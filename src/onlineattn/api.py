@@ -228,7 +228,7 @@ def _dispatch(backend, q, k, v, scale, causal, mods, return_lse, deterministic=T
 def _merge_backend(backend: str, **states: torch.Tensor) -> str:
     """The merge kernel has no backward: where autograd needs a graph, ``auto`` takes the (differentiable) torch
     path and a forced ``"triton"`` is refused rather than silently cutting the gradient."""
-    resolved = _resolve_backend(backend, False, **states)
+    resolved = _resolve_backend(backend, dots=False, **states)
     if resolved == "triton" and torch.is_grad_enabled() and any(x.requires_grad for x in states.values()):
         if backend == "triton":
             raise NotImplementedError("backend='triton' merges have no backward; use backend='auto' or 'torch' for "
@@ -394,7 +394,7 @@ def _append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None, backend=
     """Write new tokens into a cache in place without attending (for ``onlineattn.cache``, which owns and has checked
     every index): ``k [B, S_new, Hkv, D]`` at positions ``cache_seqlens[b] + [0, S_new)``, ``cache_seqlens`` int32
     ``[B]`` on the cache's device. Triton on CUDA, ``index_put_`` elsewhere."""
-    if _resolve_backend(backend, False, k=k) == "triton":
+    if _resolve_backend(backend, dots=False, k=k) == "triton":
         from .ops import cache
 
         cache.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)

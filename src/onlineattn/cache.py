@@ -50,9 +50,11 @@ class _Buffers:
                 raise ValueError(f"{name} must be at most {V.MAX_HEAD_DIM}, got {dim}")
         if dtype not in V.FLOAT_DTYPES:
             raise TypeError(f"dtype must be one of {', '.join(map(str, V.FLOAT_DTYPES))}, got {dtype}")
+        if device is not None and not isinstance(device, (str, int, torch.device)):
+            raise TypeError(f"device must be a torch.device, str, int or None, got {type(device).__name__}")
         try:
-            device = torch.device(device)
-        except (RuntimeError, TypeError) as error:
+            device = None if device is None else torch.device(device)
+        except RuntimeError as error:
             raise ValueError(f"device must name a torch device, got {device!r} ({error})") from None
         self.k = torch.zeros((*lead, heads_kv, head_dim), dtype=dtype, device=device)
         self.v = torch.zeros((*lead, heads_kv, self.head_dim_v), dtype=dtype, device=device)
@@ -71,7 +73,7 @@ class _Buffers:
     def _check_seqs(self, seqs, live, what: str) -> list[int]:
         """Distinct sequence ids, each in ``live``."""
         if isinstance(seqs, (int, torch.Tensor)) or not hasattr(seqs, "__iter__"):
-            raise TypeError(f"seqs must be a list of sequence ids (or None for all), got {type(seqs).__name__}")
+            raise TypeError(f"seqs must be a list of sequence ids, got {type(seqs).__name__}")
         seqs = list(seqs)
         for s in seqs:
             if isinstance(s, bool) or not isinstance(s, int) or s not in live:
@@ -380,11 +382,11 @@ class StreamingCache(_Buffers):
         new = self._check_tokens(k, v, self.batch_size)
         kw = dict(causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
                   check_indices=False, backend=backend)
-        kvcache_keywords(q, softmax_scale, causal, return_lse, False, num_splits, backend)  # refused before a write
         if all(seen + new <= self.capacity for seen in self._seen):  # nothing evicted: tokens in order
             retained = self._seen_dev.to(torch.int32)
             out = attention_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=retained, **kw)
         elif q.shape[1] == 1 and new <= 1:  # one query sees every retained token, in any order
+            kvcache_keywords(q, softmax_scale, causal, return_lse, False, num_splits, backend)  # before the write
             if new:
                 batch = torch.arange(self.batch_size, device=self.k.device)
                 slots = self._slot(self._seen_dev)

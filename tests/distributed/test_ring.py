@@ -221,7 +221,7 @@ def test_without_a_process_group_raises_runtime_error():
         (((1, 0, 2, 8),) * 3, {}, ValueError, "at least one token"),
         (((1, 4, 3, 8), (1, 4, 2, 8), (1, 4, 2, 8)), {}, ValueError, "does not divide"),
         (((1, 4, 2, 8),) * 3, {"group": "world"}, TypeError, "group must be"),
-        (((1, 4, 2, 8),) * 3, {"causal": 1}, TypeError, "causal must be a bool"),
+        (((1, 4, 2, 8),) * 3, {"causal": 1}, TypeError, "causal must be a Python bool"),
     ],
 )
 def test_bad_local_calls_raise_before_any_communication(one_rank_group, shapes, kwargs, error, match):

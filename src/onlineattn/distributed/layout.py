@@ -99,9 +99,11 @@ def unshard_sequence(shards, layout: str = "contiguous", *, seq_dim: int = 1) ->
         if x.shape != shards[0].shape:
             raise ValueError(f"shards must share one shape: shards[0] is {tuple(shards[0].shape)}, "
                              f"shards[{r}] is {tuple(x.shape)}")
-        if x.dtype != shards[0].dtype or x.device != shards[0].device:
-            raise TypeError(f"shards must share one dtype and device: shards[0] is {shards[0].dtype} on "
-                            f"{shards[0].device}, shards[{r}] is {x.dtype} on {x.device}")
+        if x.dtype != shards[0].dtype:
+            raise TypeError(f"shards must share one dtype: shards[0] is {shards[0].dtype}, shards[{r}] is {x.dtype}")
+        if x.device != shards[0].device:
+            raise ValueError(f"shards must be on one device: shards[0] is on {shards[0].device}, shards[{r}] on "
+                             f"{x.device}")
     if shards[0].dim() == 0:
         raise ValueError("shards must have a sequence dim, got 0-d tensors")
     layout = check_layout(layout)
