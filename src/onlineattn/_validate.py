@@ -181,8 +181,9 @@ def check_alibi_slopes(slopes, batch: int, heads_q: int, device) -> None:
                                   "pass alibi_slopes.detach(), or an attn_bias, which has one")
 
 
-def check_sinks(sinks, heads_q: int, device) -> None:
-    _check_float_tensor("sinks", sinks, [(heads_q,)], device)
+def check_sinks(sinks, heads_q: int, device, name: str = "sinks") -> None:
+    """One logit per query head (``name``: the caller's keyword)."""
+    _check_float_tensor(name, sinks, [(heads_q,)], device)
 
 
 def check_attn_bias(bias, batch: int, heads_q: int, seqlen_q: int, seqlen_k: int, device) -> None:

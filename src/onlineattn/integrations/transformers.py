@@ -66,11 +66,8 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if attention_mask is not None and attention_mask.shape[-1] > key.shape[2]:
         attention_mask = attention_mask[..., : key.shape[2]]  # older versions build masks for the whole static cache
     softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-    if sinks is not None and not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"s_aux must be a torch.Tensor, got {type(sinks).__name__}")
-    if sinks is not None and tuple(sinks.shape) != (query.shape[1],):
-        raise ValueError(f"s_aux must be a tensor of one sink logit per query head, shape ({query.shape[1]},), got "
-                         f"{tuple(sinks.shape)}")
+    if sinks is not None:  # named as transformers passes it
+        V.check_sinks(sinks, query.shape[1], query.device, name="s_aux")
     if softcap or sinks is not None:
         return _with_score_variants(query, key, value, attention_mask, causal, scaling, dropout, softcap, sinks), None
     out = sdpa(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal, scale=scaling,
