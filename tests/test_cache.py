@@ -413,3 +413,25 @@ def test_caches_name_bad_seqs_and_oversized_steps():
     with pytest.raises(ValueError, match="k has 6 new tokens, more than the cache holds"):
         streaming.attend(torch.randn(1, 6, 1, 8, device=DEVICE), k6, k6)
     assert streaming.seen == (0,) and not streaming.k.any()
+
+
+@pytest.mark.parametrize("make", ["kv", "paged", "streaming"])
+def test_attend_names_q_for_a_wrong_batch_or_dtype(make):
+    """A q with another batch than the sequences attended, or another dtype than the cache's, is the caller's q:
+    the error names it (not the cache's own k_cache or block_table), and nothing is written."""
+    if make == "kv":
+        cache, seqs = KVCache(2, 32, 1, 8, dtype=torch.float32, device=DEVICE), ()
+    elif make == "paged":
+        cache = PagedKVCache(num_pages=4, page_size=16, heads_kv=1, head_dim=8, max_seqs=2, max_seqlen=32,
+                             dtype=torch.float32, device=DEVICE)
+        seqs = ([cache.new_sequence()],)
+    else:
+        cache, seqs = StreamingCache(1, 3, 2, 1, 8, dtype=torch.float32, device=DEVICE), ()
+    rows = 1 if make == "paged" else 2
+    k = torch.randn(rows, 1, 1, 8, device=DEVICE)
+    wrong_batch = torch.randn(rows + 1, 1, 1, 8, device=DEVICE)
+    wrong_dtype = torch.randn(rows, 1, 1, 8, device=DEVICE, dtype=torch.float64)
+    for q, exc, match in ((wrong_batch, ValueError, "q must have one row"), (wrong_dtype, TypeError, "q must have the")):
+        with pytest.raises(exc, match=match):
+            cache.attend(q, *seqs, k, k)
+    assert not cache.k.any()

@@ -59,6 +59,15 @@ class _Buffers:
         self.k = torch.zeros((*lead, heads_kv, head_dim), dtype=dtype, device=device)
         self.v = torch.zeros((*lead, heads_kv, self.head_dim_v), dtype=dtype, device=device)
 
+    def _check_query(self, q, batch: int) -> None:
+        """``q [batch, Sq, Hq, D]`` in the cache's dtype, checked before the kernels' checks, which would name the
+        cache's own tensors (``k_cache``, ``block_table``) for what is the caller's ``q``."""
+        V.check_tensor("q", q, ndim=4)
+        if q.shape[0] != batch:
+            raise ValueError(f"q must have one row per sequence attended ({batch}), got batch {q.shape[0]}")
+        if q.dtype != self.k.dtype:
+            raise TypeError(f"q must have the cache's dtype {self.k.dtype}, got {q.dtype}")
+
     def _check_tokens(self, k, v, batch: int) -> int:
         """``k [batch, S_new, Hkv, D]`` and ``v`` (both or neither) in the cache's dtype, on its device: ``S_new``."""
         new = V._check_new_tokens(k, v, batch, self.heads_kv, self.head_dim, self.head_dim_v, self.k.dtype)
@@ -131,6 +140,7 @@ class KVCache(_Buffers):
                backend="auto"):
         """Append ``k, v [batch_size, S_new, Hkv, D(v)]`` (if given) to every sequence, then attend with
         ``q [batch_size, Sq, Hq, D]`` over each sequence's tokens: ``attention_with_kvcache``'s result."""
+        self._check_query(q, self.batch_size)
         new = self._check_tokens(k, v, self.batch_size)
         self._check_room(range(self.batch_size), new)
         out = attention_with_kvcache(q, self.k, self.v, k, v, cache_seqlens=self._seqlens, causal=causal,
@@ -274,6 +284,7 @@ class PagedKVCache(_Buffers):
         pages as needed, then attend with ``q [n, Sq, Hq, D]``: ``attention_with_kvcache``'s result, row i for
         ``seqs[i]``. If the pool cannot hold the new tokens, nothing is written."""
         seqs = self._check_seqs(seqs, self._lengths, "a live sequence")
+        self._check_query(q, len(seqs))
         new = self._check_tokens(k, v, len(seqs))
         taken = self._grow(dict.fromkeys(seqs, new))
         index = _to_device(seqs, self.k.device)
@@ -378,6 +389,7 @@ class StreamingCache(_Buffers):
                backend="auto"):
         """Append ``k, v [batch_size, S_new, Hkv, D(v)]`` (if given) to every sequence, evicting past the window, then
         attend with ``q [batch_size, Sq, Hq, D]`` over the retained tokens: ``attention_with_kvcache``'s result."""
+        self._check_query(q, self.batch_size)
         V.check_kvcache(q, self.k, self.v, k, v, 0, None)  # shapes first: nothing is written for a bad call
         new = self._check_tokens(k, v, self.batch_size)
         kw = dict(causal=causal, softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
