@@ -411,7 +411,10 @@ _BWD_WS_DQ = {256: BwdTile(128, 32, 8, 3, tma=True)}
 #   16384 (rows of 796ccf3) non-causal 525 against 517, causal 502 against 540. The table still gives calls that
 #   allow any order the unordered tile (5a74f7e routed them to the ordered one below 16384; reverted, because its
 #   programs wait on each other and deterministic=False is the documented way around those waits, docs/limitations.md).
-BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 2048), 128: (512, 512)}
+#   Session 37 (NOTES v29; d = 64's 128-row tiles split dQ by rows, backward_sm90.dq_part_rows; .devrun/bab37.py, one
+#   process a route, whole backward, cold do_bench TFLOP/s, three readings): non-causal 1024 fused 346-352 against
+#   the table's Gluon dK/dV + Triton dQ 330-331 (512: 274-275 against 284-289). So d = 64 non-causal from 1024.
+BWD_FUSED_DQ_MIN_KEYS = {64: (1024, 2048), 128: (512, 512)}
 # - The ordered fused dQ (session 21, NOTES v13): the same kernel with a writer warp that adds each dQ tile after the
 #   adds that precede it in a fixed order (per-tile counters), so dQ is bitwise reproducible and deterministic calls
 #   can take it. Non-causal key blocks start their row tiles spread apart (a tile's adds come steps apart); causal
@@ -448,7 +451,10 @@ BWD_FUSED_DQ_MIN_KEYS = {64: (2048, 2048), 128: (512, 512)}
 # - Session 24 (first adds stored, dQ scaled by a Triton kernel; .devrun/bsweep12.py, the numbers above): at N = 512
 #   the ordered tile leads Gluon dK/dV + Triton dQ (304-305 / 193-194): d = 128 from 512. d = 64 keeps its lengths (ordered 325 against 332-335 at non-causal 1024, 309
 #   against 300-308 at causal 2048).
-BWD_ORDERED_DQ_MIN_KEYS = {64: (2048, 4096), 128: (512, 512)}
+#   Session 37 (as for BWD_FUSED_DQ_MIN_KEYS above), d = 64, ordered against the table's route: non-causal 1024
+#   344-356 against 285-330, causal 2048 316-322 against 288-307 (causal 1024: 234-235 against 261; non-causal 512
+#   259-260 against 285-289). So non-causal from 1024, causal from 2048.
+BWD_ORDERED_DQ_MIN_KEYS = {64: (1024, 2048), 128: (512, 512)}
 BWD_ORDERED_LAST_BLOCK_FIRST = {64: True, 128: False}
 # - early_dv on the fused tiles (session 26, NOTES v18; .devrun/bsweep26.py, three passes alternated with main, whole
 #   backward through the table, TFLOP/s at N = 1024 / 4096 / 16384), d = 128 non-causal: ordered 425-429 / 515-521 /

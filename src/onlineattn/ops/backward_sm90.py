@@ -35,8 +35,9 @@ partition's per-block work is one function (``_producer_block``, ``_consumer_blo
 ``_blocks`` calls per key block.
 
 With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
-issues dQ = dS K for half of dQ's columns over all 128 keys behind that tile's dV and dK, and adds the result into
-a float32 accumulator by a TMA reduce-add (``cp.reduce.async.bulk.tensor``). The programs' adds land in no fixed
+issues dQ = dS K for its part of dQ (half the rows of a 128-row tile, else half the columns: ``dq_part_rows``,
+``dq_part_cols``) over all 128 keys behind that tile's dV and dK, and adds the result into a float32 accumulator by a
+TMA reduce-add (``cp.reduce.async.bulk.tensor``). The programs' adds land in no fixed
 order, so the table takes that only for calls that allow it (``deterministic=False``). With ``dq_ordered`` the
 warpgroups stage their dQ tiles for a writer warp that adds them in a fixed order (``_dq_writer``, ``_turn``; a row
 tile's first add is a TMA store, so that accumulator needs no zeroing), and deterministic calls take it where it
@@ -63,6 +64,20 @@ HEAD_DIMS = (64, 128, 256)  # what this kernel is built and tested for (d = 256 
 
 KEYS_PER_WARPGROUP = 64
 ROW_TILES = {64: (64, 128)}  # the row tiles a head dim takes, where not only 64 (128 rows: registers for d <= 64 only)
+
+
+@gluon.constexpr_function
+def dq_part_rows(block_m):
+    """The rows of a fused-dQ row tile one warpgroup adds: half of a 128-row tile's, so its dS K is [64 rows, d]
+    (wgmma N = d, its dS operand read once, 2/3 of the shared-memory reads of [128 rows, d / 2] at d = 64:
+    NOTES v29); else all of them (wgmma takes 64 rows at a time)."""
+    return block_m // 2 if block_m >= 128 else block_m
+
+
+@gluon.constexpr_function
+def dq_part_cols(block_m, d):
+    """The head-dim columns of that part: all of them where the warpgroups split the rows, else half."""
+    return d if block_m >= 128 else d // 2
 
 
 @_builtin
@@ -105,19 +120,21 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     # With FUSED_DQ: both warpgroups' dSᵀ of a row tile ([128 keys, BLOCK_M rows], two buffers), for dQ = dS K over
-    # all 128 keys (each warpgroup half of dQ's columns); "ds_ready" counts the two halves written, "ds_free" the two
-    # reads.
+    # all 128 keys (each warpgroup its part of dQ: dq_part_rows, dq_part_cols); "ds_ready" counts the two halves
+    # written, "ds_free" the two reads.
     # At d = 256, ds_ready / ds_free index 0 serve _consumer_split's Pᵀ/dSᵀ halves (ds_smem goes unused there).
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M], dtype)
     ds_smem = gl.allocate_shared_memory(dtype, [2 if FUSED_DQ else 1, BLOCK_N, BLOCK_M], ds_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # With FUSED_DQ: each warpgroup's dQ columns of a row tile (float32, the dQ descriptor's box), staged for its TMA
+    # With FUSED_DQ: each warpgroup's part of a row tile's dQ (float32, the dQ descriptor's box), staged for its TMA
     # copy (a reduce-add, or the ordered first turn's store); without, a few rows that go unused.
     # ORDERED: two such buffers per warpgroup (the writer warp holds one tile's while the next is staged), and
     # "dq_full" counts both warpgroups' halves staged, "dq_empty" the writer's release.
-    staged_rows: gl.constexpr = BLOCK_M if FUSED_DQ else 8
-    dq_smem = gl.allocate_shared_memory(gl.float32, [4 if ORDERED else 2, staged_rows, HEAD_DIM // 2], DQ.layout)
+    DQ_ROWS: gl.constexpr = dq_part_rows(BLOCK_M)
+    staged_rows: gl.constexpr = DQ_ROWS if FUSED_DQ else 8
+    dq_smem = gl.allocate_shared_memory(gl.float32, [4 if ORDERED else 2, staged_rows,
+                                                     dq_part_cols(BLOCK_M, HEAD_DIM)], DQ.layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # K/V's last reads of a key block
@@ -303,7 +320,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_
     """One warpgroup, per key block: its 64 keys' dK and dV over every row tile of the group, then stored (dK times
     the scale): by TMA with TMA_OUT (``_store_dkdv_tma``, staged in this warpgroup's K and V rows once both
     warpgroups are done reading them; persistent with FUSED_DQ, ``_early_dkdv``), else from registers
-    (``_store_dkdv``, after releasing K and V). With FUSED_DQ, per row tile also dQ's columns ``WG · D/2 ...`` over
+    (``_store_dkdv``, after releasing K and V). With FUSED_DQ, per row tile also its part of dQ (``_dq_coord``) over
     the block's 128 keys, added to the float32 accumulator (unscaled) by TMA reduces, one row tile behind (ORDERED:
     staged for the writer warp, _dq_writer)."""
     _blocks(_consumer_block, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty,
@@ -328,16 +345,17 @@ def _consumer_block(tid, it, n, args, tile):
     kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, D, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
-    HALF_D: gl.constexpr = D // 2
+    DQ_ROWS: gl.constexpr = dq_part_rows(BLOCK_M)
+    DQ_COLS: gl.constexpr = dq_part_cols(BLOCK_M, D)
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, HALF_D, 16])
+                                                        instr_shape=[16, DQ_COLS, 16])
     dtype: gl.constexpr = q_smem.dtype
     diag = seqlen_k - seqlen_q
     zero_st = gl.zeros([64, BLOCK_M], gl.float32, layout=st_layout)
-    zero_dq = gl.zeros([BLOCK_M, HALF_D], gl.float32, layout=dq_layout)
+    zero_dq = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
     k = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
     v = v_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
-    k_cols = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * HALF_D, HALF_D, dim=1)  # dQ's B operand: its columns
+    k_dq = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * (D - DQ_COLS), DQ_COLS, dim=1)  # dQ's B operand
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group,
                                                                  num_tiles, tile)
     key0 = n0 + tile.WG * 64
@@ -392,8 +410,7 @@ def _consumer_block(tid, it, n, args, tile):
             # a tile ago, so the two rarely wait for each other. At t = 0 nothing waits, arrives or is added.
             pbuf = (g + 1) % 2  # (g - 1) % 2 from t = 1
             mbarrier.wait(ds_ready.index(pbuf), ((g + 1) // 2 + 1) & 1, pred=t > 0)  # parity of use (g - 1) // 2
-            dq = warpgroup_mma(ds_smem.index(pbuf).permute((1, 0)), k_cols, zero_dq, use_acc=False,
-                               is_async=True)
+            dq = warpgroup_mma(_ds_rows(ds_smem.index(pbuf), tile), k_dq, zero_dq, use_acc=False, is_async=True)
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
             mbarrier.arrive(ds_free.index(pbuf), count=1, pred=t > 0)
@@ -405,8 +422,7 @@ def _consumer_block(tid, it, n, args, tile):
     if tile.FUSED_DQ:  # the last tile's dQ (nothing when there was no tile)
         last = gl.maximum(it + n_tiles - 1, 0)
         mbarrier.wait(ds_ready.index(last % 2), (last // 2) & 1, pred=n_tiles > 0)
-        dq = warpgroup_mma(ds_smem.index(last % 2).permute((1, 0)), k_cols, zero_dq, use_acc=False,
-                           is_async=True)
+        dq = warpgroup_mma(_ds_rows(ds_smem.index(last % 2), tile), k_dq, zero_dq, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(ds_free.index(last % 2), count=1, pred=n_tiles > 0)
         _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, gl.maximum(n_tiles - 1, 0), lo, row_tiles,
@@ -432,6 +448,14 @@ def _consumer_block(tid, it, n, args, tile):
         _store_dkdv(dk, dv, DK, DV, off_b, off_hkv, out_keys, cols, seqlen_k, stride_dkb, stride_dks, stride_dkh,
                     stride_dvb, stride_dvs, stride_dvh, sm_scale)
     return it
+
+
+@gluon.jit
+def _ds_rows(ds, tile):
+    """dQ's A operand from a row tile's dSᵀ buffer ``ds [128 keys, BLOCK_M rows]``: dS over this warpgroup's rows
+    (``dq_part_rows``; all of them where the warpgroups split the columns)."""
+    DQ_ROWS: gl.constexpr = dq_part_rows(tile.BLOCK_M)
+    return ds.slice(tile.WG * (tile.BLOCK_M - DQ_ROWS), DQ_ROWS, dim=1).permute((1, 0))
 
 
 @gluon.jit
@@ -569,7 +593,7 @@ def _early_dkdv(dk, dv, dk_desc, dv_desc, ds_smem, dq_smem, staged, n, off_b, of
 
 @gluon.jit
 def _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, t, lo, row_tiles, shift, dq_rows, valid, tile):
-    """Row tile ``t``'s dQ columns of this warpgroup, where ``valid``: staged for the writer warp (ORDERED,
+    """This warpgroup's part of row tile ``t``'s dQ, where ``valid``: staged for the writer warp (ORDERED,
     ``_stage_dq``), else added at once (``_add_dq``)."""
     if tile.ORDERED:
         _stage_dq(dq, dq_smem, dq_full, dq_empty, t, valid, tile)
@@ -579,9 +603,9 @@ def _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, t, lo, row_tile
 
 @gluon.jit
 def _add_dq(dq, dq_desc, buf, off_b, off_hkv, t, lo, row_tiles, shift, rows_per_batch, valid, tile):
-    """Add row tile ``t``'s dQ columns of this warpgroup (``dq [BLOCK_M, D/2]``) into the accumulator (float32
-    ``[B, rows_per_batch, Hq, D]`` seen as ``[B · rows_per_batch, Hq · D]``; each batch entry's rows padded to whole
-    tiles, so a tile never reaches the next entry's rows) by a TMA reduce from staging buffer ``buf``, where
+    """Add this warpgroup's part of row tile ``t``'s dQ (``dq [dq_part_rows, dq_part_cols]``) into the accumulator
+    (float32 ``[B, rows_per_batch, Hq, D]`` seen as ``[B · rows_per_batch, Hq · D]``; each batch entry's rows padded
+    to whole tiles, so a tile never reaches the next entry's rows) by a TMA reduce from staging buffer ``buf``, where
     ``valid``. The reduce runs on under the next row tile; the buffer's next use waits for it to be read."""
     g, m = _row_tile(t, lo, row_tiles, shift, tile)
     head = off_hkv * tile.GROUP + g
@@ -590,7 +614,17 @@ def _add_dq(dq, dq_desc, buf, off_b, off_hkv, t, lo, row_tiles, shift, rows_per_
         tma.store_wait(0)  # the last reduce from this buffer (a row tile ago) has read it
         buf.store(dq)
         fence_async_shared()
-        _tma_reduce_add(dq_desc, [row0, head * tile.HEAD_DIM + tile.WG * (tile.HEAD_DIM // 2)], buf)
+        _tma_reduce_add(dq_desc, _dq_coord(row0, head, tile.WG, tile), buf)
+
+
+@gluon.jit
+def _dq_coord(row0, head, wg, tile):
+    """Where warpgroup ``wg``'s part of the row tile from accumulator row ``row0`` of ``head`` starts
+    (``dq_part_rows``, ``dq_part_cols``): ``[row, column]`` of the accumulator seen as ``[B · rows_per_batch,
+    Hq · D]``."""
+    DQ_ROWS: gl.constexpr = dq_part_rows(tile.BLOCK_M)
+    DQ_COLS: gl.constexpr = dq_part_cols(tile.BLOCK_M, tile.HEAD_DIM)
+    return [row0 + wg * (tile.BLOCK_M - DQ_ROWS), head * tile.HEAD_DIM + wg * (tile.HEAD_DIM - DQ_COLS)]
 
 
 @gluon.jit
@@ -614,7 +648,7 @@ def _spacing(n_tiles, seqlen_k, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _stage_dq(dq, dq_smem, dq_full, dq_empty, t, valid, tile):
-    """ORDERED: this warpgroup's dQ columns of its ``t``-th row tile into staging buffer ``t % 2`` for the writer
+    """ORDERED: this warpgroup's part of its ``t``-th row tile's dQ into staging buffer ``t % 2`` for the writer
     warp, once the writer has released that buffer's last tile (two tiles ago), where ``valid``."""
     t = gl.maximum(t, 0)
     buf = t % 2
@@ -641,7 +675,6 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, rows_per_batch, seqlen_q, se
     ``launch_dkdv`` takes no more of them than the device has SMs (``ordered_blocks``). Causal ones launched last
     block first (``LAST_BLOCK_FIRST``) wait only on blocks launched before them."""
     BLOCK_M: gl.constexpr = tile.BLOCK_M
-    HALF_D: gl.constexpr = tile.HEAD_DIM // 2
     lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(gl.program_id(0), seqlen_q, seqlen_k, heads_kv,
                                                                  head_group, num_tiles, tile)  # one block a program
@@ -660,11 +693,11 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, rows_per_batch, seqlen_q, se
             seen = gl.min(_load_acquire(counter), axis=0)
         row0 = off_b * rows_per_batch + m
         if turn == 0:
-            tma.async_copy_shared_to_global(DQ, [row0, head * tile.HEAD_DIM], dq_smem.index(2 * buf))
-            tma.async_copy_shared_to_global(DQ, [row0, head * tile.HEAD_DIM + HALF_D], dq_smem.index(2 * buf + 1))
+            tma.async_copy_shared_to_global(DQ, _dq_coord(row0, head, 0, tile), dq_smem.index(2 * buf))
+            tma.async_copy_shared_to_global(DQ, _dq_coord(row0, head, 1, tile), dq_smem.index(2 * buf + 1))
         else:
-            _tma_reduce_add(DQ, [row0, head * tile.HEAD_DIM], dq_smem.index(2 * buf))
-            _tma_reduce_add(DQ, [row0, head * tile.HEAD_DIM + HALF_D], dq_smem.index(2 * buf + 1))
+            _tma_reduce_add(DQ, _dq_coord(row0, head, 0, tile), dq_smem.index(2 * buf))
+            _tma_reduce_add(DQ, _dq_coord(row0, head, 1, tile), dq_smem.index(2 * buf + 1))
         _release(counter, lane)  # once both copies have landed: count them, free their buffers
         mbarrier.arrive(dq_empty.index(buf), count=1)
 
@@ -738,18 +771,19 @@ def stores_by_tma(q, dk, dv, tile) -> bool:
 
 def dq_descriptor(dq_acc, tile, d: int, device):
     """The kernel's dQ argument: a descriptor over ``dq_acc [B, rows, Hq, D]`` seen as ``[B · rows, Hq · D]`` with
-    boxes of one row tile and half a head's columns; without ``dq_acc`` (not fused) a placeholder the kernel never
-    reads."""
+    boxes of one warpgroup's part of a row tile (``dq_part_rows`` by ``dq_part_cols``); without ``dq_acc`` (not
+    fused) a placeholder the kernel never reads."""
     if dq_acc is None:
         return _placeholder(tile.block_m, d, device)[1]
-    return descriptor(dq_acc.view(dq_acc.shape[0] * dq_acc.shape[1], -1), (tile.block_m, d // 2))
+    box = (dq_part_rows(tile.block_m), dq_part_cols(tile.block_m, d))
+    return descriptor(dq_acc.view(dq_acc.shape[0] * dq_acc.shape[1], -1), box)
 
 
 @functools.cache
 def _placeholder(rows: int, d: int, device) -> tuple:
     """(memory, its descriptor): kept together, since a descriptor holds only its memory's address."""
     memory = torch.zeros((rows, d), dtype=torch.float32, device=device)
-    return memory, descriptor(memory, (rows, d // 2))
+    return memory, descriptor(memory, (dq_part_rows(rows), dq_part_cols(rows, d)))
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None,
