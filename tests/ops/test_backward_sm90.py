@@ -310,6 +310,22 @@ def test_ordered_launches_go_head_after_head(monkeypatch):
     assert seen == [1, 5, 5]
 
 
+def test_dq_descriptor_boxes_are_a_warpgroups_part():
+    """The fused dQ's TMA box is one warpgroup's part of a row tile: half the rows of a 128-row tile over all d
+    columns (d = 64's table tile), else all rows over half the columns; without a fused dQ a placeholder of 8 rows
+    that only sizes the kernel's unused staging."""
+    from onlineattn.ops import backward_sm90
+
+    acc = lambda d: torch.zeros(1, 256, 2, d)  # noqa: E731
+    box = lambda tile, d: backward_sm90.dq_descriptor(acc(d), tile, d, "cpu").block_shape  # noqa: E731
+    assert box(fused_dq_tile(64, causal=False), 64) == [64, 64]
+    assert box(fused_dq_tile(64, ordered=True, causal=True), 64) == [64, 64]
+    assert box(replace(fused_dq_tile(64, causal=False), block_m=64), 64) == [64, 32]
+    assert box(fused_dq_tile(128, causal=False), 128) == [64, 64]
+    for d in (64, 128):
+        assert backward_sm90.dq_descriptor(None, _BWD_WS_DKDV[d], d, "cpu").block_shape == [8, d // 2]
+
+
 _COMPILE = """
 import sys, torch, triton
 sys.path.insert(0, {bench!r})
@@ -325,7 +341,7 @@ for d, causal, fused, ordered, wide, rows in ((128, False, False, False, False, 
                                               (128, True, True, True, True, 0), (64, True, False, False, False, 128),
                                               (128, True, True, True, False, -1), (128, False, True, False, False, 0),
                                               (128, True, True, False, False, 1), (64, False, False, False, True, 1),
-                                              (256, True, False, False, False, 1)):
+                                              (256, True, False, False, False, 1), (64, False, True, False, False, 64)):
     tile = fused_dq_tile(d, ordered, causal=causal) if fused else _BWD_WS_DKDV[d]
     if rows == 1:  # persistent
         tile, rows = replace(tile, persistent=True), 0
@@ -378,7 +394,7 @@ def test_kernel_compiles_for_sm90():
     rows = ["128 48 0 0 1 0 0", "64 32 0 0 1 0 0", "128 80 1 0 1 0 0", "64 80 1 0 0 0 0", "256 80 0 0 0 0 0",
             "256 80 0 0 0 0 0", "128 80 1 1 1 1 1", "64 80 1 1 0 1 0", "128 80 1 1 0 1 0", "64 48 0 0 0 0 0",
             "128 80 1 1 1 1 0", "128 80 1 0 1 0 1", "128 80 1 0 1 0 0", "64 32 0 0 0 0 0", "256 80 0 0 0 0 0",
-            "tiny"]
+            "64 64 1 0 1 0 0", "tiny"]
     assert out.stdout.split() == " ".join(rows).split(), out.stdout
 
 
@@ -396,10 +412,10 @@ SHAPES = [  # b, sq, sk, hq, hkv
 @gpu
 @sm90
 @pytest.mark.parametrize("d,fused,ordered,rows", [(64, False, False, 0), (64, True, False, 0), (64, True, True, 0),
-                                                  (64, True, True, 64), (128, False, False, 0), (128, True, False, 0),
-                                                  (128, True, True, 0), (256, False, False, 0)],
-                         ids=["64", "64-fused-dq", "64-ordered-dq", "64-ordered-dq-64-rows", "128", "128-fused-dq",
-                              "128-ordered-dq", "256"])
+                                                  (64, True, False, 64), (64, True, True, 64), (128, False, False, 0),
+                                                  (128, True, False, 0), (128, True, True, 0), (256, False, False, 0)],
+                         ids=["64", "64-fused-dq", "64-ordered-dq", "64-fused-dq-64-rows", "64-ordered-dq-64-rows",
+                              "128", "128-fused-dq", "128-ordered-dq", "256"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

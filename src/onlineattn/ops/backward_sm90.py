@@ -67,17 +67,30 @@ ROW_TILES = {64: (64, 128)}  # the row tiles a head dim takes, where not only 64
 
 
 @gluon.constexpr_function
+def dq_split_rows(block_m):
+    """Whether the two warpgroups split a fused-dQ row tile's dQ by rows: on 128-row tiles each adds its 64 rows
+    over all d columns, so its dS K is one wgmma of N = d per 16 keys with its dS operand read once (2/3 of the
+    shared-memory reads of [128 rows, d / 2] at d = 64: NOTES v29); else (wgmma takes 64 rows at a time) each adds
+    half the columns."""
+    return block_m >= 128
+
+
+@gluon.constexpr_function
 def dq_part_rows(block_m):
-    """The rows of a fused-dQ row tile one warpgroup adds: half of a 128-row tile's, so its dS K is [64 rows, d]
-    (wgmma N = d, its dS operand read once, 2/3 of the shared-memory reads of [128 rows, d / 2] at d = 64:
-    NOTES v29); else all of them (wgmma takes 64 rows at a time)."""
-    return block_m // 2 if block_m >= 128 else block_m
+    """The rows of a row tile's dQ one warpgroup adds (``dq_split_rows``)."""
+    return block_m // 2 if dq_split_rows(block_m) else block_m
 
 
 @gluon.constexpr_function
 def dq_part_cols(block_m, d):
-    """The head-dim columns of that part: all of them where the warpgroups split the rows, else half."""
-    return d if block_m >= 128 else d // 2
+    """The head-dim columns of that part."""
+    return d if dq_split_rows(block_m) else d // 2
+
+
+@gluon.constexpr_function
+def dq_part_offset(block_m, d, wg):
+    """Where warpgroup ``wg``'s part starts in the row tile's dQ: (row, column)."""
+    return (wg * (block_m - dq_part_rows(block_m)), wg * (d - dq_part_cols(block_m, d)))
 
 
 @_builtin
@@ -128,13 +141,13 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     # With FUSED_DQ: each warpgroup's part of a row tile's dQ (float32, the dQ descriptor's box), staged for its TMA
-    # copy (a reduce-add, or the ordered first turn's store); without, a few rows that go unused.
-    # ORDERED: two such buffers per warpgroup (the writer warp holds one tile's while the next is staged), and
+    # copy (a reduce-add, or the ordered first turn's store); without, a few rows that go unused (the placeholder's
+    # box). ORDERED: two such buffers per warpgroup (the writer warp holds one tile's while the next is staged), and
     # "dq_full" counts both warpgroups' halves staged, "dq_empty" the writer's release.
-    DQ_ROWS: gl.constexpr = dq_part_rows(BLOCK_M)
-    staged_rows: gl.constexpr = DQ_ROWS if FUSED_DQ else 8
-    dq_smem = gl.allocate_shared_memory(gl.float32, [4 if ORDERED else 2, staged_rows,
-                                                     dq_part_cols(BLOCK_M, HEAD_DIM)], DQ.layout)
+    gl.static_assert(not FUSED_DQ or (DQ.block_type.shape[0] == dq_part_rows(BLOCK_M)
+                                      and DQ.block_type.shape[1] == dq_part_cols(BLOCK_M, HEAD_DIM)),
+                     "the dQ descriptor's box is a warpgroup's part of a row tile (dq_descriptor)")
+    dq_smem = gl.allocate_shared_memory(gl.float32, [4 if ORDERED else 2] + DQ.block_type.shape, DQ.layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # K/V's last reads of a key block
@@ -355,7 +368,7 @@ def _consumer_block(tid, it, n, args, tile):
     zero_dq = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
     k = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
     v = v_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
-    k_dq = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * (D - DQ_COLS), DQ_COLS, dim=1)  # dQ's B operand
+    k_dq = k_smem.reshape([tile.BLOCK_N, D]).slice(dq_part_offset(BLOCK_M, D, tile.WG)[1], DQ_COLS, dim=1)  # dQ's B
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group,
                                                                  num_tiles, tile)
     key0 = n0 + tile.WG * 64
@@ -454,8 +467,8 @@ def _consumer_block(tid, it, n, args, tile):
 def _ds_rows(ds, tile):
     """dQ's A operand from a row tile's dSᵀ buffer ``ds [128 keys, BLOCK_M rows]``: dS over this warpgroup's rows
     (``dq_part_rows``; all of them where the warpgroups split the columns)."""
-    DQ_ROWS: gl.constexpr = dq_part_rows(tile.BLOCK_M)
-    return ds.slice(tile.WG * (tile.BLOCK_M - DQ_ROWS), DQ_ROWS, dim=1).permute((1, 0))
+    ROW0: gl.constexpr = dq_part_offset(tile.BLOCK_M, tile.HEAD_DIM, tile.WG)[0]
+    return ds.slice(ROW0, dq_part_rows(tile.BLOCK_M), dim=1).permute((1, 0))
 
 
 @gluon.jit
@@ -579,7 +592,8 @@ def _early_dkdv(dk, dv, dk_desc, dv_desc, ds_smem, dq_smem, staged, n, off_b, of
     (``staged``): the next block's first dSᵀ and dQ tiles reuse them."""
     D: gl.constexpr = tile.HEAD_DIM
     dtype: gl.constexpr = dk_desc.dtype
-    gl.static_assert(tile.BLOCK_N * tile.BLOCK_M >= 64 * D and tile.BLOCK_M >= 64,
+    gl.static_assert(tile.BLOCK_N * tile.BLOCK_M >= 64 * D and tile.BLOCK_M >= 64
+                     and dq_part_rows(tile.BLOCK_M) * dq_part_cols(tile.BLOCK_M, D) * 2 >= 64 * D,
                      "a warpgroup's dK and dV (2-byte elements: stores_by_tma) fit its staging buffers")
     if tile.WG == 0:
         bufs = ds_smem._reinterpret(dtype, [2, 1, 64, 1, D], dk_desc.layout)
@@ -622,9 +636,8 @@ def _dq_coord(row0, head, wg, tile):
     """Where warpgroup ``wg``'s part of the row tile from accumulator row ``row0`` of ``head`` starts
     (``dq_part_rows``, ``dq_part_cols``): ``[row, column]`` of the accumulator seen as ``[B · rows_per_batch,
     Hq · D]``."""
-    DQ_ROWS: gl.constexpr = dq_part_rows(tile.BLOCK_M)
-    DQ_COLS: gl.constexpr = dq_part_cols(tile.BLOCK_M, tile.HEAD_DIM)
-    return [row0 + wg * (tile.BLOCK_M - DQ_ROWS), head * tile.HEAD_DIM + wg * (tile.HEAD_DIM - DQ_COLS)]
+    OFFSET: gl.constexpr = dq_part_offset(tile.BLOCK_M, tile.HEAD_DIM, wg)
+    return [row0 + OFFSET[0], head * tile.HEAD_DIM + OFFSET[1]]
 
 
 @gluon.jit
@@ -774,16 +787,17 @@ def dq_descriptor(dq_acc, tile, d: int, device):
     boxes of one warpgroup's part of a row tile (``dq_part_rows`` by ``dq_part_cols``); without ``dq_acc`` (not
     fused) a placeholder the kernel never reads."""
     if dq_acc is None:
-        return _placeholder(tile.block_m, d, device)[1]
+        return _placeholder(d, device)[1]
     box = (dq_part_rows(tile.block_m), dq_part_cols(tile.block_m, d))
     return descriptor(dq_acc.view(dq_acc.shape[0] * dq_acc.shape[1], -1), box)
 
 
 @functools.cache
-def _placeholder(rows: int, d: int, device) -> tuple:
-    """(memory, its descriptor): kept together, since a descriptor holds only its memory's address."""
-    memory = torch.zeros((rows, d), dtype=torch.float32, device=device)
-    return memory, descriptor(memory, (dq_part_rows(rows), dq_part_cols(rows, d)))
+def _placeholder(d: int, device) -> tuple:
+    """(memory, its descriptor, whose box of a few rows sizes the kernel's unused dQ staging): kept together, since a
+    descriptor holds only its memory's address."""
+    memory = torch.zeros((8, d), dtype=torch.float32, device=device)
+    return memory, descriptor(memory, (8, d // 2))
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None,
