@@ -37,8 +37,8 @@ partition's per-block work is one function (``_producer_block``, ``_consumer_blo
 With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
 issues dQ = dS K for its part of dQ (half the rows of a 128-row tile, else half the columns: ``dq_part_rows``,
 ``dq_part_cols``) over all 128 keys behind that tile's dV and dK, and adds the result into a float32 accumulator by a
-TMA reduce-add (``cp.reduce.async.bulk.tensor``). The programs' adds land in no fixed
-order, so the table takes that only for calls that allow it (``deterministic=False``). With ``dq_ordered`` the
+TMA reduce-add (``cp.reduce.async.bulk.tensor``). The programs' adds land in no fixed order, so the table takes that
+only for calls that allow it (``deterministic=False``). With ``dq_ordered`` the
 warpgroups stage their dQ tiles for a writer warp that adds them in a fixed order (``_dq_writer``, ``_turn``; a row
 tile's first add is a TMA store, so that accumulator needs no zeroing), and deterministic calls take it where it
 measured faster than the dQ kernel. Either way a pass after the kernel scales the sum into dq (``backward.py``).
@@ -368,7 +368,8 @@ def _consumer_block(tid, it, n, args, tile):
     zero_dq = gl.zeros([DQ_ROWS, DQ_COLS], gl.float32, layout=dq_layout)
     k = k_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
     v = v_smem.reshape([tile.BLOCK_N, D]).slice(tile.WG * 64, 64)
-    k_dq = k_smem.reshape([tile.BLOCK_N, D]).slice(dq_part_offset(BLOCK_M, D, tile.WG)[1], DQ_COLS, dim=1)  # dQ's B
+    # dQ's B operand: K's columns of this warpgroup's part (all of them where the warpgroups split the rows)
+    k_dq = k_smem.reshape([tile.BLOCK_N, D]).slice(dq_part_offset(BLOCK_M, D, tile.WG)[1], DQ_COLS, dim=1)
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group,
                                                                  num_tiles, tile)
     key0 = n0 + tile.WG * 64
