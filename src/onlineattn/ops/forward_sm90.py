@@ -5,9 +5,12 @@ run of them), each split between two consumer warpgroups of 64 rows; at d = 64 l
 three (FA3's d = 64 tile has 192 rows too), whose Q arrives in three 64-row boxes.
 A one-warp producer partition streams K and V blocks by TMA into a ring of ``num_stages`` shared-memory stages; each
 stage has a "ready" mbarrier (the copy landed) and an "empty" one (every consumer is done reading it). Each consumer
-keeps its own online-softmax state (m, l, acc) and, for block j, issues QKᵀ_j, then P_{j-1}·V_{j-1}, waits for
-QKᵀ_j only and runs block j's softmax while the tensor cores still add the previous block (P stays in registers as
-wgmma's A operand). The warpgroups also overlap each other's softmax with their matmuls. Each consumer
+keeps its own online-softmax state (m, l, acc) and, for block j, issues QKᵀ_j, then P_{j-1}·V_{j-1} (P stays in
+registers as wgmma's A operand), waits for QKᵀ_j, runs block j's softmax, then waits for the P·V. The source waits for
+the P·V after the softmax, but ptxas schedules that wait (a WARPGROUP.DEPBAR, which has no register operands) at the
+top of the softmax's basic block in most table tiles (d = 64, d = 128 non-causal, d = 256 in part; not d = 128
+causal), so the softmax runs once the warpgroup's own P·V is done, under the other warpgroups' matmuls. Keeping the
+wait in place, with or without FA3's ping-pong turns, measured 3-13 % slower (NOTES v30). Each consumer
 writes its rows of O through a shared-memory staging buffer by TMA stores that run on under its next tile.
 With ``lazy_rescale`` (``LAZY_RESCALE_FROM``: where it measured faster) a row keeps its running max until a score
 passes it by 2^8, and a warpgroup rescales its O only in blocks where one of its rows took a new max (``_step``);
@@ -358,10 +361,10 @@ def _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, 
 def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s, mask_from, seqlen_q, seqlen_k,
           qk_scale, tile, s_layout: gl.constexpr, o_layout: gl.constexpr, RELEASE_Q: gl.constexpr):
     """One key block (ring ``idx``, keys from ``start_n``, as many as ``zero_s`` has columns, in ``s_layout``) after
-    another whose softmax is done (``p``, ring ``idx - 1``): QKᵀ is issued, then the previous block's P·V; this
-    block's softmax runs once QKᵀ is done, while the tensor cores still add the previous block (P stays in registers
-    as wgmma's A operand). With ``RELEASE_Q`` the tile's Q is released where this is the last (``j``-th of
-    ``n_blocks``) block. Returns (p, m, l, acc) with this block's P·V still to do."""
+    another whose softmax is done (``p``, ring ``idx - 1``): QKᵀ is issued, then the previous block's P·V (P stays
+    in registers as wgmma's A operand); this block's softmax runs once QKᵀ is done, and in most tiles once the P·V is
+    too (the module docstring: ptxas moves the wait). With ``RELEASE_Q`` the tile's Q is released where this is the
+    last (``j``-th of ``n_blocks``) block. Returns (p, m, l, acc) with this block's P·V still to do."""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_N: gl.constexpr = tile.BLOCK_N
@@ -390,7 +393,7 @@ def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s
         grown = gl.max((m_i > m_old).to(gl.int32), axis=0)
     if tile.EARLY_P:  # under the previous P·V, not in the next _step once the next block's scores are live
         p = _operand(p, q_smem.dtype, p_layout)
-    # p among the deps keeps this wait after the softmax in the generated code.
+    # p among the deps keeps this wait after the softmax in the PTX; ptxas may still schedule it above the softmax.
     acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
     mbarrier.arrive(v_empty.index(prev), count=1)
     if grown > 0:
