@@ -657,27 +657,6 @@ def test_attention_deterministic_false_takes_the_fused_dq(monkeypatch):
     d = 128 from BWD_FUSED_DQ_MIN_KEYS with its adds in any order; the default call from BWD_ORDERED_DQ_MIN_KEYS the
     same kernel with its adds in a fixed order (dK and dV bitwise equal, dQ within the summation order;
     test_matches_oracle holds every path to the §3 rule)."""
-    n = max(BWD_FUSED_DQ_MIN_KEYS[128][True], BWD_ORDERED_DQ_MIN_KEYS[128][True])
-    fused, grads = _causal_grads_both_ways(monkeypatch, n, 128, seed=13)
-    assert fused == [(True, False), (True, True)]
-    assert torch.equal(grads[False][1], grads[True][1]) and torch.equal(grads[False][2], grads[True][2])
-    torch.testing.assert_close(grads[False][0], grads[True][0], rtol=2**-6, atol=2**-10)
-
-
-@gpu
-@sm90
-def test_attention_any_order_takes_the_ordered_tile_where_listed(monkeypatch):
-    """End to end at BWD_ORDERED_ANY_ORDER_FROM's lengths (d = 64 causal): ``deterministic=False`` launches the fused
-    kernel with its adds ordered, as the default call does, so the two give the same bits."""
-    fused, grads = _causal_grads_both_ways(monkeypatch, BWD_ORDERED_ANY_ORDER_FROM[64, True], 64, seed=17)
-    assert fused == [(True, True), (True, True)]
-    assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[True]))
-
-
-def _causal_grads_both_ways(monkeypatch, n: int, d: int, seed: int):
-    """``onlineattn.attention(..., causal=True)`` with autograd on one (1, n, 2, d) bf16 input, with
-    ``deterministic=False`` and then True: (each Gluon dK/dV launch's (FUSED_DQ, ORDERED), {deterministic: (dq, dk,
-    dv)})."""
     import onlineattn
     from onlineattn.ops import backward_sm90
 
@@ -685,14 +664,17 @@ def _causal_grads_both_ways(monkeypatch, n: int, d: int, seed: int):
     start = backward_sm90.start
     monkeypatch.setattr(backward_sm90, "start",
                         lambda *a, **kw: fused.append((kw["FUSED_DQ"], kw["ORDERED"])) or start(*a, **kw))
-    g = torch.Generator().manual_seed(seed)
-    base = [torch.randn(1, n, 2, d, generator=g).to("cuda", torch.bfloat16) for _ in range(4)]
+    n = max(BWD_FUSED_DQ_MIN_KEYS[128][True], BWD_ORDERED_DQ_MIN_KEYS[128][True])
+    g = torch.Generator().manual_seed(13)
+    base = [torch.randn(1, n, 2, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(4)]
     grads = {}
     for deterministic in (False, True):
         q, k, v = (x.clone().requires_grad_() for x in base[:3])
         onlineattn.attention(q, k, v, causal=True, deterministic=deterministic).backward(base[3])
         grads[deterministic] = (q.grad, k.grad, v.grad)
-    return fused, grads
+    assert fused == [(True, False), (True, True)]
+    assert torch.equal(grads[False][1], grads[True][1]) and torch.equal(grads[False][2], grads[True][2])
+    torch.testing.assert_close(grads[False][0], grads[True][0], rtol=2**-6, atol=2**-10)
 
 
 @gpu
