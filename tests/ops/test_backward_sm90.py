@@ -17,9 +17,8 @@ from onlineattn._mods import PLAIN
 from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import (
-    _BWD_WS_DKDV, _BWD_WS_DQ, BWD_FUSED_DQ_MIN_KEYS, BWD_FUSED_DQ_ROWS, BWD_ORDERED_ANY_ORDER_FROM,
-    BWD_ORDERED_DQ_MIN_KEYS, BWD_ORDERED_LAST_BLOCK_FIRST, BWD_EARLY_DV, BWD_PERSISTENT, BWD_WS_MIN_KEYS, bwd_config,
-    fused_dq_tile,
+    _BWD_WS_DKDV, _BWD_WS_DQ, BWD_FUSED_DQ_MIN_KEYS, BWD_FUSED_DQ_ROWS, BWD_ORDERED_DQ_MIN_KEYS, BWD_ORDERED_LAST_BLOCK_FIRST,
+    BWD_EARLY_DV, BWD_PERSISTENT, BWD_WS_MIN_KEYS, bwd_config, fused_dq_tile,
 )
 from tests.ops.test_backward import _baseline_grads, _nan_scratch
 
@@ -102,25 +101,6 @@ def test_table_orders_the_fused_dq_for_deterministic_calls(monkeypatch):
                 assert not kept.dkdv.fused_dq
     monkeypatch.setitem(BWD_ORDERED_DQ_MIN_KEYS, 64, (None, None))  # None: deterministic calls keep the dQ kernel
     assert not pick(64, n=16384).dkdv.fused_dq and not pick(64, causal=True, n=16384).dkdv.fused_dq
-
-
-def test_table_orders_some_any_order_calls():
-    """deterministic=False calls take the ordered tile from BWD_ORDERED_ANY_ORDER_FROM rows and keys (where it read
-    faster than the unordered one), where it fits; below those lengths, or with more key blocks than fit, they take
-    the unordered tile as elsewhere."""
-    pick = lambda d, causal, n, m=None, **kw: bwd_config(  # noqa: E731
-        d, d, torch.bfloat16, "cuda", causal=causal, seqlen_q=n if m is None else m, seqlen_k=n,
-        **{"ws_ok": True, "ordered_blocks": 132, "deterministic": False, **kw})
-    assert BWD_ORDERED_ANY_ORDER_FROM == {(64, True): 4096}
-    for (d, causal), least in BWD_ORDERED_ANY_ORDER_FROM.items():
-        unordered = replace(fused_dq_tile(d, causal=causal), persistent=BWD_PERSISTENT[d][1])
-        assert pick(d, causal, least).dkdv == pick(d, causal, 16384).dkdv == fused_dq_tile(d, ordered=True,
-                                                                                           causal=causal)
-        for kept in (pick(d, causal, least - 1), pick(d, causal, least, m=least - 1),
-                     pick(d, causal, 128 * 133), pick(d, causal, least, ordered_blocks=0)):
-            assert kept.dkdv == unordered
-        assert pick(d, not causal, 16384).dkdv == replace(fused_dq_tile(d, causal=not causal),
-                                                          persistent=BWD_PERSISTENT[d][1])
 
 
 def test_fused_dq_tile_needs_deterministic_false():

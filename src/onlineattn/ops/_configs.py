@@ -456,14 +456,6 @@ BWD_FUSED_DQ_MIN_KEYS = {64: (1024, 2048), 128: (512, 512)}
 #   259-260 against 285-289). So non-causal from 1024, causal from 2048.
 BWD_ORDERED_DQ_MIN_KEYS = {64: (1024, 2048), 128: (512, 512)}
 BWD_ORDERED_LAST_BLOCK_FIRST = {64: True, 128: False}
-# - deterministic=False calls take the ordered tile too from these rows and keys, per (head dim, causal), where it
-#   fits (session 38, NOTES v30, .devrun/bab38.py: whole backward step through the table, deterministic and not in
-#   one process, three cold do_bench medians, two rounds), d = 64 causal, ordered / unordered: N = 2048 321-322 /
-#   321-324, 4096 369-392 / 368-383, 8192 411-441 / 409-430, 16384 430-456 / 432-448 (+2 % on the means from 4096).
-#   The unordered tile launched as the ordered one is (last key block first, one head at a time) read no better in
-#   the same runs: 4096 356-380, 8192 393-418, 16384 392-451. d = 128 causal keeps the unordered tile (16384:
-#   512-528 against 463-501).
-BWD_ORDERED_ANY_ORDER_FROM = {(64, True): 4096}
 # - early_dv on the fused tiles (session 26, NOTES v18; .devrun/bsweep26.py, three passes alternated with main, whole
 #   backward through the table, TFLOP/s at N = 1024 / 4096 / 16384), d = 128 non-causal: ordered 425-429 / 515-521 /
 #   537-540 against 416-422 / 502 / 524-526, unordered 416-419 / 511-512 / 531-543 against 406-407 / 486-491 /
@@ -515,14 +507,11 @@ def bwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: 
     shortest = min(seqlen_q or 0, seqlen_k or 0)
     fused_from = BWD_FUSED_DQ_MIN_KEYS.get(head_dim)
     persistent = BWD_PERSISTENT.get(head_dim, (False, False))
-    ordered_from = BWD_ORDERED_DQ_MIN_KEYS.get(head_dim, (None, None))[causal]
-    ordered = (ordered_from is not None and shortest >= ordered_from
-               and -(-seqlen_k // ws.block_n) <= ordered_blocks)
-    any_order_from = BWD_ORDERED_ANY_ORDER_FROM.get((head_dim, causal))
-    ordered_anyway = ordered and any_order_from is not None and shortest >= any_order_from
-    if not deterministic and not ordered_anyway and fused_from is not None and shortest >= fused_from[causal]:
+    if not deterministic and fused_from is not None and shortest >= fused_from[causal]:
         return replace(cfg, dkdv=replace(fused_dq_tile(head_dim, causal=causal), persistent=persistent[1]))
-    if ordered and (deterministic or ordered_anyway):
+    ordered_from = BWD_ORDERED_DQ_MIN_KEYS.get(head_dim, (None, None))[causal]
+    if (deterministic and ordered_from is not None and shortest >= ordered_from
+            and -(-seqlen_k // ws.block_n) <= ordered_blocks):
         return replace(cfg, dkdv=fused_dq_tile(head_dim, ordered=True, causal=causal))
     if shortest < BWD_WS_MIN_KEYS[head_dim][causal]:
         return cfg
