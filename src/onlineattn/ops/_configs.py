@@ -24,8 +24,9 @@ class FwdConfig:
     q_stages: int = 1  # gluon only: Q buffers (2: the next tile's Q loads while this tile's blocks run)
     lazy_rescale: bool = False  # gluon only: rows keep their running max until a score passes it by 2^8, and O is
     #                             rescaled only in blocks where a row of the warpgroup took a new one
-    early_p: bool = False  # gluon only: a block's P becomes wgmma's 16-bit A operand right after its softmax, under
-    #                        the previous block's P·V, instead of before its own P·V is issued
+    early_p: bool = False  # gluon only: a block's P becomes wgmma's 16-bit A operand right after its softmax instead
+    #                        of before its own P·V is issued (under the previous P·V where ptxas keeps that wait
+    #                        below the softmax: forward_sm90's docstring)
 
 
 # Interpreter runs (CPU tensors, TRITON_INTERPRET=1): bigger tiles mean fewer Python-level programs; stages and warps

@@ -7,16 +7,18 @@ A one-warp producer partition streams K and V blocks by TMA into a ring of ``num
 stage has a "ready" mbarrier (the copy landed) and an "empty" one (every consumer is done reading it). Each consumer
 keeps its own online-softmax state (m, l, acc) and, for block j, issues QKᵀ_j, then P_{j-1}·V_{j-1} (P stays in
 registers as wgmma's A operand), waits for QKᵀ_j, runs block j's softmax, then waits for the P·V. The source waits for
-the P·V after the softmax, but ptxas schedules that wait (a WARPGROUP.DEPBAR, which has no register operands) at the
-top of the softmax's basic block in most table tiles (d = 64, d = 128 non-causal, d = 256 in part; not d = 128
-causal), so the softmax runs once the warpgroup's own P·V is done, under the other warpgroups' matmuls. Keeping the
-wait in place, with or without FA3's ping-pong turns, measured 3-13 % slower (NOTES v30). Each consumer
+the P·V after the softmax, but in tiles without ``lazy_rescale`` ptxas schedules that wait (a WARPGROUP.DEPBAR, which
+has no register operands) at the top of the softmax's basic block, so there the softmax runs once the warpgroup's own
+P·V is done, under the other warpgroups' matmuls (with it, the warpgroup-wide test of the rows' maxima keeps the
+wait below the softmax). A form that keeps the wait in place everywhere read 1-8 % slower, and 4-13 % with FA3's
+ping-pong turns added (NOTES v30). Each consumer
 writes its rows of O through a shared-memory staging buffer by TMA stores that run on under its next tile.
 With ``lazy_rescale`` (``LAZY_RESCALE_FROM``: where it measured faster) a row keeps its running max until a score
 passes it by 2^8, and a warpgroup rescales its O only in blocks where one of its rows took a new max (``_step``);
 l and O share the stale max, so the result is exact (P reaches up to 2^8, well inside bf16/fp16's range).
-With ``early_p`` a block's P is converted to wgmma's A operand right after its softmax, under the previous block's
-P·V, rather than just before its own P·V is issued, when the next block's scores are already live.
+With ``early_p`` a block's P is converted to wgmma's A operand right after its softmax (under the previous block's
+P·V where that wait stays below the softmax), rather than just before its own P·V is issued, when the next block's
+scores are already live.
 
 Under causal, when the diagonal falls on a 128-key block boundary (``half_diagonal``; 128-key blocks: d = 64 and 128
 outside the short causal tile, which like d = 256 runs 64-key blocks), warpgroup 0's rows see only
@@ -362,9 +364,9 @@ def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s
           qk_scale, tile, s_layout: gl.constexpr, o_layout: gl.constexpr, RELEASE_Q: gl.constexpr):
     """One key block (ring ``idx``, keys from ``start_n``, as many as ``zero_s`` has columns, in ``s_layout``) after
     another whose softmax is done (``p``, ring ``idx - 1``): QKᵀ is issued, then the previous block's P·V (P stays
-    in registers as wgmma's A operand); this block's softmax runs once QKᵀ is done, and in most tiles once the P·V is
-    too (the module docstring: ptxas moves the wait). With ``RELEASE_Q`` the tile's Q is released where this is the
-    last (``j``-th of ``n_blocks``) block. Returns (p, m, l, acc) with this block's P·V still to do."""
+    in registers as wgmma's A operand); this block's softmax runs once QKᵀ is done, and without LAZY_RESCALE once the
+    P·V is too (the module docstring: ptxas moves the wait). With ``RELEASE_Q`` the tile's Q is released where this
+    is the last (``j``-th of ``n_blocks``) block. Returns (p, m, l, acc) with this block's P·V still to do."""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_N: gl.constexpr = tile.BLOCK_N
@@ -391,7 +393,7 @@ def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s
     grown = 1
     if tile.LAZY_RESCALE:  # O is rescaled only where a row of the warpgroup took a new max
         grown = gl.max((m_i > m_old).to(gl.int32), axis=0)
-    if tile.EARLY_P:  # under the previous P·V, not in the next _step once the next block's scores are live
+    if tile.EARLY_P:  # here, not in the next _step once the next block's scores are live
         p = _operand(p, q_smem.dtype, p_layout)
     # p among the deps keeps this wait after the softmax in the PTX; ptxas may still schedule it above the softmax.
     acc, p_op, p = warpgroup_mma_wait(0, deps=(acc, p_op, p))
