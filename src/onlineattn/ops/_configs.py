@@ -188,6 +188,8 @@ WS_CAUSAL_PERSISTENT_BELOW = {64: 16384, 128: 16384, 256: 16384}  # d = 64: _FWD
 #     at every length (463 / 529 / 572 / 596 / - / 612 -> 459 / 523 / 565 / 589 / - / 609), d = 64 1.6-6 %.
 #   The skipped rescale (64 · D float32 multiplies a warpgroup per block) pays for the warpgroup-wide test of the
 #   rows' maxima (a cross-warp reduction) where D is large or the rows see many blocks. Keyed by (d, causal): keys.
+#   (These readings also include where ptxas places the wait for the previous P·V: the lazy tiles keep it below the
+#   softmax, the others have it hoisted above; NOTES v30.)
 LAZY_RESCALE_FROM = {(128, True): 4096, (256, False): 1024, (256, True): 4096}
 # - Three consumer warpgroups on 192-row tiles at d = 64 (session 36, NOTES v28, .devrun/tsweep36.py, one process,
 #   two passes, TFLOP/s under the bench's cold-L2 do_bench | CUDA graph, B·N = 16k). v17's three warpgroups spilled

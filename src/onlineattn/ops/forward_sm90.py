@@ -10,8 +10,8 @@ registers as wgmma's A operand), waits for QKᵀ_j, runs block j's softmax, then
 the P·V after the softmax, but in tiles without ``lazy_rescale`` ptxas schedules that wait (a WARPGROUP.DEPBAR, which
 has no register operands) at the top of the softmax's basic block, so there the softmax runs once the warpgroup's own
 P·V is done, under the other warpgroups' matmuls (with it, the warpgroup-wide test of the rows' maxima keeps the
-wait below the softmax). A form that keeps the wait in place everywhere read 1-8 % slower, and 4-13 % with FA3's
-ping-pong turns added (NOTES v30). Each consumer
+wait below the softmax). A form that keeps the wait in place everywhere read up to 9 % slower (at d = 64; elsewhere
+about its own cost), and 4-13 % with FA3's ping-pong turns added (NOTES v30). Each consumer
 writes its rows of O through a shared-memory staging buffer by TMA stores that run on under its next tile.
 With ``lazy_rescale`` (``LAZY_RESCALE_FROM``: where it measured faster) a row keeps its running max until a score
 passes it by 2^8, and a warpgroup rescales its O only in blocks where one of its rows took a new max (``_step``);
@@ -383,7 +383,7 @@ def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s
     mbarrier.wait(v_ready.index(prev), ((idx - 1) // STAGES) & 1)
     p_op = _operand(p, q_smem.dtype, p_layout)
     acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
-    s = warpgroup_mma_wait(1, deps=(s,))  # QKᵀ, issued first, is done; the previous P·V may still run
+    s = warpgroup_mma_wait(1, deps=(s,))  # QKᵀ, issued first, is done; the previous P·V may still run (in the PTX)
     mbarrier.arrive(k_empty.index(stage), count=1)
     if RELEASE_Q:
         mbarrier.arrive(q_empty.index(n % tile.Q_STAGES), count=1, pred=j == n_blocks - 1)
