@@ -191,9 +191,9 @@ def test_delta_pass_matches_torch(with_dlse):
 
 @pytest.mark.parametrize("tile", [0, 64, 128])
 def test_delta_pass_zeroes_what_a_fused_dq_needs(tile):
-    """Beside delta, the preprocess kernel zeroes a fused dQ's scratch (``_Zero``): the float32 accumulator's rows
-    below Sq (``[B, rows, Hq, D]``, padding rows past Sq left as they were), or the int32 counters of every
-    ``tile``-row tile (``[B, Hq, tiles]``), and nothing else."""
+    """Beside delta, the preprocess kernel zeroes a fused dQ's scratch (``_Zero``): every row of the float32
+    accumulator (``[B, rows, Hq, D]``, the padding rows past Sq too: the kernel orders each row tile's memory its
+    own way), or the int32 counters of every ``tile``-row tile (``[B, Hq, tiles]``), and nothing else."""
     o, _, _, do = _case(2, 150, 5, 3, 3, 40, 40, torch.float16, seed=43)
     delta = torch.empty(2, 3, 150, device=DEVICE)
     if tile:
@@ -202,9 +202,10 @@ def test_delta_pass_zeroes_what_a_fused_dq_needs(tile):
         B._preprocess(o, do, torch.zeros_like(delta), None, delta, B._Zero(memory[:-1], tiles, False, tile))
         assert not memory[:-1].any() and memory[-1] == 7
     else:
-        memory = torch.full((2, 192, 3, 40), float("nan"), device=DEVICE)
-        B._preprocess(o, do, torch.zeros_like(delta), None, delta, B._Zero(memory, 192, True, 0))
-        assert not memory[:, :150].any() and memory[:, 150:].isnan().all()
+        memory = torch.full((2 * 192 * 3 * 40 + 1,), float("nan"), device=DEVICE)
+        B._preprocess(o, do, torch.zeros_like(delta), None, delta, B._Zero(memory[:-1].view(2, 192, 3, 40), 192, True,
+                                                                           0))
+        assert not memory[:-1].any() and memory[-1].isnan()
     torch.testing.assert_close(delta, (do.float() * o.float()).sum(-1).transpose(1, 2), rtol=1e-5, atol=1e-5)
 
 
@@ -226,7 +227,7 @@ def test_fused_dq_scratch_is_zeroed_before_the_kernel(d, ordered, causal):
     """What ``_dq_accumulator`` returns (from NaN-filled memory) once the delta pass has run with its ``_Zero``:
     the ordered tile's counters all zero, and its accumulator zero only in the rows no key block sees (causal,
     Sq - Sk = 150: one 128-row or two 64-row tiles) since its first adds store; the unordered tile's accumulator
-    zero below Sq, its padding rows as they came. d = 64 runs 128-row tiles, d = 128 64-row ones."""
+    zero, its padding rows too. d = 64 runs 128-row tiles, d = 128 64-row ones."""
     from onlineattn.ops._configs import fused_dq_tile
 
     tile = fused_dq_tile(d, ordered, causal=causal)
@@ -234,7 +235,7 @@ def test_fused_dq_scratch_is_zeroed_before_the_kernel(d, ordered, causal):
     acc, sem, zero = _nan_scratch(B._dq_accumulator, torch.empty_like(o), tile, causal, 150)
     delta = torch.empty(2, 3, 300, device=DEVICE)
     B._preprocess(o, do, torch.zeros_like(delta), None, delta, zero)
-    zeroed = (150 // tile.block_m * tile.block_m if causal else 0) if ordered else 300
+    zeroed = (150 // tile.block_m * tile.block_m if causal else 0) if ordered else acc.shape[1]
     assert not acc[:, :zeroed].any() and acc[:, zeroed:].isnan().all()
     assert (sem is not None) == ordered and (sem is None or not sem.any())
 
@@ -346,14 +347,31 @@ def test_every_head_dim_bf16(d, causal):
         R.assert_within_rule(name, got, want, ref, "bfloat16")
 
 
-@pytest.mark.parametrize("d", [64, 128])
-def test_fused_dq_scaling_pass(d):
-    """The pass after a fused dQ: the float32 sum (rows padded to whole tiles) times the scale, rounded once into
-    dQ's dtype and strides (a strided view here), as torch rounds it; rows past Sq are padding and never read."""
-    g = torch.Generator().manual_seed(d)
-    acc = torch.randn(2, 64, 3, d, generator=g).to(DEVICE)
+def _in_register_order(acc, block_m: int):
+    """``acc [B, rows, Hq, D]`` laid out as the fused dQ kernel adds it (``backward_sm90._dq_coord``, written out
+    here independently of the kernels): per (batch, row tile, head) two parts of 64 rows by ``C`` columns (the tile's
+    row halves on 128-row tiles, else its column halves), each in wgmma's register order ([warp, column group of 8,
+    lane // 4, lane % 4, row half, column pair] of rows ``16 warp + 8 half + lane // 4`` and columns
+    ``8 group + 2 (lane % 4) + pair``), in rows of 128 values; a row tile's memory holds those rows head after head
+    in each row."""
+    b, rows, hq, d = acc.shape
+    tiles, c = rows // block_m, block_m * d // 128
+    x = acc.reshape(b, tiles, block_m, hq, d).permute(0, 1, 3, 2, 4)
+    parts = x.reshape(b, tiles, hq, 2, 64, d) if block_m == 128 else x.reshape(
+        b, tiles, hq, 64, 2, c).permute(0, 1, 2, 4, 3, 5)
+    parts = parts.reshape(b, tiles, hq, 2, 4, 2, 8, c // 8, 4, 2).permute(0, 1, 2, 3, 4, 7, 6, 8, 5, 9)
+    return parts.reshape(b, tiles, hq, c, 128).permute(0, 1, 3, 2, 4).contiguous().view(b, rows, hq, d)
+
+
+@pytest.mark.parametrize("d, block_m", [(64, 128), (64, 64), (128, 64)])
+def test_fused_dq_scaling_pass(d, block_m):
+    """The pass after a fused dQ: the float32 sum (rows padded to whole tiles, each tile in the kernel's register
+    order) put back in place times the scale, rounded once into dQ's dtype and strides (a strided view here), as
+    torch rounds it; rows past Sq are padding and never stored."""
+    g = torch.Generator().manual_seed(d + block_m)
+    acc = torch.randn(2, 2 * block_m, 3, d, generator=g).to(DEVICE)
     for dtype in (torch.float16, torch.float32) + ((torch.bfloat16,) if DEVICE == "cuda" else ()):
-        wide = torch.full((2, 50, 3, 2 * d), float("nan"), device=DEVICE, dtype=dtype)
+        wide = torch.full((2, block_m + 50, 3, 2 * d), float("nan"), device=DEVICE, dtype=dtype)
         dq = wide[..., d:]
-        B._scale_dq(acc, 0.3, dq)
-        assert torch.equal(dq, (acc[:, :50] * 0.3).to(dtype)) and wide[..., :d].isnan().all()
+        B._scale_dq(_in_register_order(acc, block_m), 0.3, dq, block_m)
+        assert torch.equal(dq, (acc[:, :block_m + 50] * 0.3).to(dtype)) and wide[..., :d].isnan().all()

@@ -311,17 +311,19 @@ def test_ordered_launches_go_head_after_head(monkeypatch):
 
 
 def test_dq_descriptor_boxes_are_a_warpgroups_part():
-    """The fused dQ's TMA box is one warpgroup's part of a row tile: half the rows of a 128-row tile over all d
-    columns (d = 64's table tile), else all rows over half the columns; without a fused dQ a placeholder of 8 rows
-    that only sizes the kernel's unused staging."""
+    """The fused dQ's TMA box is one warpgroup's part of a row tile in register order, unswizzled ([64 · C / 128, 1
+    head, 128] for a part of 64 rows by C columns: half the rows of a 128-row tile over all d columns, d = 64's table
+    tile, else all rows over half the columns), both parts where the ordered writer warp copies them; without a fused dQ
+    a placeholder of 8 rows that only sizes the kernel's unused staging."""
     from onlineattn.ops import backward_sm90
 
     acc = lambda d: torch.zeros(1, 256, 2, d)  # noqa: E731
-    box = lambda tile, d: backward_sm90.dq_descriptor(acc(d), tile, d, "cpu").block_shape  # noqa: E731
-    assert box(fused_dq_tile(64, causal=False), 64) == [64, 64]
-    assert box(fused_dq_tile(64, ordered=True, causal=True), 64) == [64, 64]
-    assert box(replace(fused_dq_tile(64, causal=False), block_m=64), 64) == [64, 32]
-    assert box(fused_dq_tile(128, causal=False), 128) == [64, 64]
+    desc = lambda tile, d: backward_sm90.dq_descriptor(acc(d), tile, d, "cpu")  # noqa: E731
+    assert desc(fused_dq_tile(64, causal=False), 64).block_shape == [32, 1, 128]
+    assert desc(fused_dq_tile(64, ordered=True, causal=True), 64).block_shape == [64, 1, 128]  # both parts
+    assert desc(replace(fused_dq_tile(64, causal=False), block_m=64), 64).block_shape == [16, 1, 128]
+    assert desc(fused_dq_tile(128, causal=False), 128).block_shape == [32, 1, 128]
+    assert desc(fused_dq_tile(128, causal=False), 128).layout.swizzle_byte_width == 0
     for d in (64, 128):
         assert backward_sm90.dq_descriptor(None, _BWD_WS_DKDV[d], d, "cpu").block_shape == [8, d // 2]
 
@@ -365,7 +367,7 @@ for d, causal, fused, ordered, wide, rows in ((128, False, False, False, False, 
     ptx = compiled[0].asm["ptx"]
     print(d, ptx.count("wgmma.mma_async"), int("cp.reduce.async.bulk.tensor" in ptx),
           int("ld.acquire.gpu" in ptx and "red.release.gpu" in ptx),
-          int("cp.async.bulk.tensor.4d.global.shared" in ptx), int("cp.async.bulk.tensor.2d.global.shared" in ptx),
+          int("cp.async.bulk.tensor.4d.global.shared" in ptx), int("cp.async.bulk.tensor.3d.global.shared" in ptx),
           int("wgmma.wait_group.sync.aligned 1;" in ptx))
 # one query row of one head: lse's batch stride is 1, an int Triton makes a constexpr (partition arguments must not be)
 q, k, lse = torch.randn(2, 1, 1, 64, dtype=torch.bfloat16), torch.randn(2, 3, 1, 64, dtype=torch.bfloat16), torch.randn(2, 1, 1)
@@ -376,16 +378,15 @@ print("tiny")
 
 
 def test_kernel_compiles_for_sm90():
-    """Gluon -> PTX -> cubin for sm_90: per warpgroup and row tile Sᵀ and dPᵀ (d / 16 wgmma each) and dV and dK
-    (the tile's rows / 16 each: 128 for the fused dQ at d = 64 and in a plain 128-row case, 64 otherwise), nothing
-    duplicated; fused_dq adds the warpgroup's part of dQ (128 keys / 16 wgmma, its 64 rows of a 128-row tile or
-    half the columns of a 64-row one, in the loop and once after it for the last tile) and its float32 TMA
-    reduce-adds; dq_ordered the writer warp's acquiring counter loads and releasing adds,
-    and the 2-D TMA store of a row tile's first turn (and the same matmuls, in either causal launch order); dK and
-    dV by TMA stores from 64-row tiles at d = 64 and 128 into outputs of q's dtype, from registers at d = 256, from
-    128-row tiles and into float32 outputs; the fused tiles of d = 128 non-causal (``early_dv``, BWD_EARLY_DV) wait
-    for Sᵀ with dPᵀ still in flight, no other tile does; persistent tiles (the last three cases) the same matmuls
-    and stores."""
+    """Gluon -> PTX -> cubin for sm_90: per warpgroup and row tile Sᵀ and dPᵀ (d / 16 wgmma each) and dV and dK (the
+    tile's rows / 16 each: 128 for the fused dQ at d = 64 and in a plain 128-row case, 64 otherwise), nothing
+    duplicated; fused_dq adds the warpgroup's part of dQ (128 keys / 16 wgmma, its 64 rows of a 128-row tile or half the
+    columns of a 64-row one, in the loop and once after it for the last tile) and its float32 TMA reduce-adds;
+    dq_ordered the writer warp's acquiring counter loads and releasing adds, and the 3-D TMA store of a row tile's first
+    turn (rows of one head) (and the same matmuls, in either causal launch order); dK and dV by TMA stores from 64-row
+    tiles at d = 64 and 128 into outputs of q's dtype, from registers at d = 256, from 128-row tiles and into float32
+    outputs; the fused tiles of d = 128 non-causal (``early_dv``, BWD_EARLY_DV) wait for Sᵀ with dPᵀ still in flight, no
+    other tile does; persistent tiles (the last three cases) the same matmuls and stores."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT / "src")
     out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,

@@ -13,7 +13,8 @@ Read top-down: three kernels (and a fused dQ's scaling pass), then the launcher.
    delta as the preprocess kernel would (and stores it) and loops over keys. It runs first, so the dK/dV kernel,
    after it, reads that delta: one pass over O and dO fewer.
 4. ``attention_bwd_dq_scale_kernel``: where sm_90's dK/dV kernel sums dQ itself (``fused_dq``, below), dQ is its
-   float32 sum times the scale, in dQ's dtype.
+   float32 sum times the scale, in dQ's dtype, each row tile's values put back from the order the kernel adds them
+   in (its warpgroups' registers).
 
 These kernels use no atomics, so their results are bitwise reproducible. (On sm_90 a call may instead take the Gluon
 dK/dV kernel with dQ fused into it, ``fused_dq``: its dQ tiles are added into a float32 accumulator by TMA
@@ -75,7 +76,8 @@ def attention_bwd_preprocess_kernel(
     ZERO_ROWS: tl.constexpr, ZERO_TILE: tl.constexpr,
 ):
     """Delta of ``BLOCK_M`` rows of one (batch, head); and, for a fused dQ, zeroes in ``ZERO``: with ``ZERO_ROWS``
-    these rows of the float32 accumulator (``[B, zero_rows, Hq, Dv]``; rows past Sq are padding no pass reads),
+    these rows of the float32 accumulator (``[B, zero_rows, Hq, Dv]``, padding rows past Sq too: the kernel lays
+    each row tile's values out in its own order, ``backward_sm90._dq_coord``; the grid covers ``zero_rows``),
     with ``ZERO_TILE`` the int32 counter of each ``ZERO_TILE``-row tile that starts among these rows
     (``[B, Hq, zero_rows]``: zero_rows tiles), else nothing."""
     pid_m = tl.program_id(0)
@@ -92,7 +94,8 @@ def attention_bwd_preprocess_kernel(
     _store_delta(p_o, b_do, m_o, DELTA, DLSE, off_b, off_h, o_i, m_i, stride_lb, stride_lh, HAS_DLSE)
     if ZERO_ROWS:
         p_z = ZERO + ((off_b * zero_rows + o_i[:, None]) * heads_q + off_h) * HEAD_DIM_V + o_dv[None, :]
-        tl.store(p_z, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), mask=m_o)
+        m_z = (o_i < zero_rows)[:, None] & (o_dv < HEAD_DIM_V)[None, :]
+        tl.store(p_z, tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32), mask=m_z)
     if ZERO_TILE > 0:
         tl.static_assert(ZERO_TILE % BLOCK_M == 0, "a counted tile spans whole programs")
         if (pid_m * BLOCK_M) % ZERO_TILE == 0:
@@ -447,19 +450,30 @@ def _dq_block(
 
 
 @triton.jit
-def attention_bwd_dq_scale_kernel(ACC, DQ, scale, stride_db, stride_ds, stride_dh, n_rows, rows_per_batch, seqlen_q,
-                                  heads_q, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr):
-    """dQ = ``scale`` · a fused dQ's float32 sum (``ACC [B, rows_per_batch, Hq, D]`` contiguous, rows past Sq
-    padding) in dQ's dtype, for ``BLOCK_R`` of the ``n_rows`` = B · Sq · Hq (batch, query, head) rows a program."""
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    h = r % heads_q
-    s = (r // heads_q) % seqlen_q
-    b = (r // (heads_q * seqlen_q)).to(tl.int64)
+def attention_bwd_dq_scale_kernel(ACC, DQ, scale, stride_db, stride_ds, stride_dh, tiles, seqlen_q, heads_q,
+                                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dQ = ``scale`` · a fused dQ's float32 sum in dQ's dtype, one (batch, row tile, head) a program: its
+    ``BLOCK_M · HEAD_DIM`` values of ``ACC`` (``backward_sm90._dq_coord``: rows of 128 values, ``heads_q`` rows apart,
+    holding two warpgroup parts of 64 rows by ``C`` columns, each in the order of wgmma's registers,
+    ``_register_order``), put back in place; rows past Sq are padding, never stored."""
+    pid = tl.program_id(0)
+    h = pid % heads_q
+    t = (pid // heads_q) % tiles
+    b = (pid // (heads_q * tiles)).to(tl.int64)
+    C: tl.constexpr = BLOCK_M * HEAD_DIM // 128  # a part's columns; also the tile's rows of 128 values per head
+    acc_rows = (b * tiles + t) * C + tl.arange(0, C)
+    x = tl.load(ACC + ((acc_rows * heads_q + h) * 128)[:, None] + tl.arange(0, 128)[None, :])
+    # [part, warp, column group, lane // 4, lane % 4, row half, pair] -> [part, row (warp, half, lane // 4),
+    # column (group, lane % 4, pair)]
+    x = tl.reshape(tl.permute(tl.reshape(x, [2, 4, C // 8, 8, 4, 2, 2]), (0, 1, 5, 3, 2, 4, 6)), [2, 64, C])
+    if BLOCK_M == 128:  # the parts split the rows
+        x = tl.reshape(x, [BLOCK_M, HEAD_DIM])
+    else:  # the columns
+        x = tl.reshape(tl.permute(x, (1, 0, 2)), [BLOCK_M, HEAD_DIM])
+    rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, HEAD_DIM)
-    keep = (r < n_rows)[:, None]
-    x = tl.load(ACC + (((b * rows_per_batch + s) * heads_q + h) * HEAD_DIM)[:, None] + cols[None, :], mask=keep)
-    out = DQ + (b * stride_db + s.to(tl.int64) * stride_ds + h * stride_dh)[:, None] + cols[None, :]
-    tl.store(out, (x * scale).to(DQ.dtype.element_ty), mask=keep)
+    out = DQ + (b * stride_db + rows.to(tl.int64) * stride_ds + h * stride_dh)[:, None] + cols[None, :]
+    tl.store(out, (x * scale).to(DQ.dtype.element_ty), mask=(rows < seqlen_q)[:, None])
 
 
 def backward(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out=None, config=None,
@@ -586,7 +600,7 @@ def _preprocess(o, do, lse, dlse, delta, zero=None, keep: bool = False):
     zero = zero or _Zero(delta, 0, False, 0)
     if zero.accumulator and zero.memory.shape[-1] != dv_dim:  # the kernel zeroes Dv columns of each row
         raise ValueError(f"zero: the accumulator's head dim must be o's {dv_dim}, not {zero.memory.shape[-1]}")
-    grid = (cdiv(sq, PREPROCESS_ROWS), b * hq)
+    grid = (cdiv(max(sq, zero.rows if zero.accumulator else 0), PREPROCESS_ROWS), b * hq)
     arrays = _pre_arrays(o, do, lse, dlse, delta, zero.memory)
     return grid, start(
         keep, attention_bwd_preprocess_kernel, grid, len(arrays), *arrays,
@@ -630,7 +644,7 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
         pre = _preprocess(o, do, lse, dlse, delta, zero, keep)
         dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep, dq_acc=dq_acc,
                                          dq_sem=dq_sem, head_group=head_group)
-        return pre, dkdv, _scale_dq(dq_acc, scale, dq, keep)
+        return pre, dkdv, _scale_dq(dq_acc, scale, dq, t.block_m, keep)
     t = cfg.dq
     k_arg, v_arg = k, v
     if tma_keys:
@@ -690,10 +704,11 @@ class _Zero(NamedTuple):
 
 
 def _dq_accumulator(dq, tile, causal: bool, seqlen_k: int):
-    """Float32 dQ ``[B, Sq rounded up to the row tile, Hq, D]`` for a ``fused_dq`` kernel's TMA copies (dq's own
-    layout: the scaling pass reads it contiguously), and for a ``dq_ordered`` one its int32 counters ``[B, Hq, row
-    tiles]`` (else None), from one allocation; and the ``_Zero`` the preprocess kernel, which runs before the dK/dV
-    kernel, applies: the accumulator's rows below Sq for the adds in any order, the counters for the ordered ones.
+    """Float32 dQ ``[B, Sq rounded up to the row tile, Hq, D]`` for a ``fused_dq`` kernel's TMA copies (each row
+    tile's memory in the kernel's order, ``backward_sm90._dq_coord``, which the scaling pass undoes), and for a
+    ``dq_ordered`` one its int32 counters ``[B, Hq, row tiles]`` (else None), from one allocation; and the ``_Zero``
+    the preprocess kernel, which runs before the dK/dV kernel, applies: every row of the accumulator (padding rows
+    too) for the adds in any order, the counters for the ordered ones.
     The ordered kernel stores each row tile's first add, so its accumulator is zeroed (here) only in the row tiles
     no key block sees (causal, whole tiles above every key's diagonal: Sq - Sk rows and more)."""
     b, sq, hq, d = dq.shape
@@ -710,20 +725,15 @@ def _dq_accumulator(dq, tile, causal: bool, seqlen_k: int):
     return dq_acc, sem.view(b, hq, tiles), _Zero(sem, tiles, False, tile.block_m)
 
 
-SCALE_ELEMENTS = 8192  # float32 values a program of the dQ scaling pass reads (32 KiB): a streaming pass
-
-
-def _scale_dq(dq_acc, scale: float, dq, keep: bool = False):
-    """dQ = scale · the fused kernel's sum (its rows past Sq are padding), into dq (one pass over the accumulator;
-    torch.mul into another dtype runs a kernel that does not vectorise: 67 µs against 49 at d = 128, B·N = 16k,
-    H = 16). Returns ``(grid, Relaunch)``: with ``keep`` the Relaunch to repeat it (None where it cannot be kept),
-    else None."""
+def _scale_dq(dq_acc, scale: float, dq, block_m: int, keep: bool = False):
+    """dQ = scale · the fused kernel's sum (``dq_acc``, in its ``block_m``-row tiles' order: its rows past Sq are
+    padding), into dq: one pass over the accumulator. Returns ``(grid, Relaunch)``: with ``keep`` the Relaunch to
+    repeat it (None where it cannot be kept), else None."""
     b, sq, hq, d = dq.shape
-    rows = b * sq * hq
-    block_r = SCALE_ELEMENTS // d
-    grid = (cdiv(rows, block_r),)
-    return grid, start(keep, attention_bwd_dq_scale_kernel, grid, 2, dq_acc, dq, scale, *dq.stride()[:3], rows,
-                       dq_acc.shape[1], sq, hq, HEAD_DIM=d, BLOCK_R=block_r, num_warps=8)
+    tiles = dq_acc.shape[1] // block_m
+    grid = (b * tiles * hq,)
+    return grid, start(keep, attention_bwd_dq_scale_kernel, grid, 2, dq_acc, dq, scale, *dq.stride()[:3], tiles, sq,
+                       hq, HEAD_DIM=d, BLOCK_M=block_m, num_warps=8)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -37,11 +37,13 @@ partition's per-block work is one function (``_producer_block``, ``_consumer_blo
 With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared memory, and one row tile later each
 issues dQ = dS K for its part of dQ (half the rows of a 128-row tile, else half the columns: ``dq_part_rows``,
 ``dq_part_cols``) over all 128 keys behind that tile's dV and dK, and adds the result into a float32 accumulator by a
-TMA reduce-add (``cp.reduce.async.bulk.tensor``). The programs' adds land in no fixed order, so the table takes that
-only for calls that allow it (``deterministic=False``). With ``dq_ordered`` the
-warpgroups stage their dQ tiles for a writer warp that adds them in a fixed order (``_dq_writer``, ``_turn``; a row
-tile's first add is a TMA store, so that accumulator needs no zeroing), and deterministic calls take it where it
-measured faster than the dQ kernel. Either way a pass after the kernel scales the sum into dq (``backward.py``).
+TMA reduce-add (``cp.reduce.async.bulk.tensor``). The accumulator holds each part in the order of the warpgroup's
+registers (``_register_order``: staged by conflict-free 16-byte stores, one contiguous 16 KiB add; FA3's flat dQ
+staging), which the scaling pass after the kernel undoes. The programs' adds land in no fixed order, so the table takes
+that only for calls that allow it (``deterministic=False``). With ``dq_ordered`` the warpgroups stage their dQ tiles for
+a writer warp that adds them in a fixed order (``_dq_writer``, ``_turn``; a row tile's first add is a TMA store, so that
+accumulator needs no zeroing), and deterministic calls take it where it measured faster than the dQ kernel. Either way a
+pass after the kernel scales the sum into dq (``backward.py``).
 """
 
 import functools
@@ -93,6 +95,16 @@ def dq_part_offset(block_m, d, wg):
     return (wg * (block_m - dq_part_rows(block_m)), wg * (d - dq_part_cols(block_m, d)))
 
 
+DQ_ORDER_COLS = gl.constexpr(128)  # float32 columns of the dQ accumulator's register-order view: 32 lanes x 4 values
+
+
+@gluon.constexpr_function
+def dq_order_rows(block_m, d):
+    """Rows of ``DQ_ORDER_COLS`` one warpgroup's part of a row tile's dQ takes in register order (``_register_order``),
+    the dQ descriptor's box: a part is 64 rows by ``dq_part_cols``."""
+    return dq_part_rows(block_m) * dq_part_cols(block_m, d) // DQ_ORDER_COLS.value
+
+
 @_builtin
 def _tma_reduce_add(desc, coord, src, _semantic=None):
     """Add shared-memory block ``src`` (the descriptor's block shape and layout) into global memory at ``coord`` by
@@ -140,14 +152,16 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     ds_smem = gl.allocate_shared_memory(dtype, [2 if FUSED_DQ else 1, BLOCK_N, BLOCK_M], ds_layout)
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    # With FUSED_DQ: each warpgroup's part of a row tile's dQ (float32, the dQ descriptor's box), staged for its TMA
-    # copy (a reduce-add, or the ordered first turn's store); without, a few rows that go unused (the placeholder's
-    # box). ORDERED: two such buffers per warpgroup (the writer warp holds one tile's while the next is staged), and
-    # "dq_full" counts both warpgroups' halves staged, "dq_empty" the writer's release.
-    gl.static_assert(not FUSED_DQ or (DQ.block_type.shape[0] == dq_part_rows(BLOCK_M)
-                                      and DQ.block_type.shape[1] == dq_part_cols(BLOCK_M, HEAD_DIM)),
-                     "the dQ descriptor's box is a warpgroup's part of a row tile (dq_descriptor)")
-    dq_smem = gl.allocate_shared_memory(gl.float32, [4 if ORDERED else 2] + DQ.block_type.shape, DQ.layout)
+    # With FUSED_DQ: each warpgroup's part of a row tile's dQ (float32 in register order), staged for its TMA copy:
+    # a buffer per warpgroup (the dQ descriptor's box: one part) for its own reduce-add; ORDERED, two buffers of both
+    # parts (the box: a whole row tile), one copy of both by the writer warp (a reduce-add, or the first turn's
+    # store), which holds one tile's while the next is staged; "dq_full" counts both warpgroups' parts staged,
+    # "dq_empty" the writer's release. Without FUSED_DQ, a few rows that go unused (the placeholder's box).
+    gl.static_assert(not FUSED_DQ or (DQ.block_type.shape[0] == (2 if ORDERED else 1) * dq_order_rows(BLOCK_M, HEAD_DIM)
+                                      and DQ.block_type.shape[1] == 1 and DQ.block_type.shape[2] == DQ_ORDER_COLS
+                                      and dq_part_rows(BLOCK_M) == 64),
+                     "the dQ box: a part of a row tile in register order, both with ORDERED (dq_descriptor)")
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + DQ.block_type.shape, DQ.layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # K/V's last reads of a key block
@@ -428,8 +442,8 @@ def _consumer_block(tid, it, n, args, tile):
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
             mbarrier.arrive(ds_free.index(pbuf), count=1, pred=t > 0)
-            _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, t - 1, lo, row_tiles, shift, dq_rows,
-                     t > 0, tile)
+            _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, heads_kv, t - 1, lo, row_tiles, shift,
+                     dq_rows, t > 0, tile)
         else:
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
@@ -439,8 +453,8 @@ def _consumer_block(tid, it, n, args, tile):
         dq = warpgroup_mma(_ds_rows(ds_smem.index(last % 2), tile), k_dq, zero_dq, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(ds_free.index(last % 2), count=1, pred=n_tiles > 0)
-        _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, gl.maximum(n_tiles - 1, 0), lo, row_tiles,
-                 shift, dq_rows, n_tiles > 0, tile)
+        _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, heads_kv, gl.maximum(n_tiles - 1, 0), lo,
+                 row_tiles, shift, dq_rows, n_tiles > 0, tile)
         if not tile.ORDERED:
             tma.store_wait(0)  # the last reduce has read its staging buffer
     it += n_tiles
@@ -607,38 +621,51 @@ def _early_dkdv(dk, dv, dk_desc, dv_desc, ds_smem, dq_smem, staged, n, off_b, of
 
 
 @gluon.jit
-def _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, t, lo, row_tiles, shift, dq_rows, valid, tile):
+def _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, heads_kv, t, lo, row_tiles, shift, dq_rows, valid,
+             tile):
     """This warpgroup's part of row tile ``t``'s dQ, where ``valid``: staged for the writer warp (ORDERED,
     ``_stage_dq``), else added at once (``_add_dq``)."""
     if tile.ORDERED:
         _stage_dq(dq, dq_smem, dq_full, dq_empty, t, valid, tile)
     else:
-        _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv, t, lo, row_tiles, shift, dq_rows, valid, tile)
+        _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv * tile.GROUP, heads_kv * tile.GROUP, t, lo, row_tiles,
+                shift, dq_rows, valid, tile)
 
 
 @gluon.jit
-def _add_dq(dq, dq_desc, buf, off_b, off_hkv, t, lo, row_tiles, shift, rows_per_batch, valid, tile):
-    """Add this warpgroup's part of row tile ``t``'s dQ (``dq [dq_part_rows, dq_part_cols]``) into the accumulator
-    (float32 ``[B, rows_per_batch, Hq, D]`` seen as ``[B · rows_per_batch, Hq · D]``; each batch entry's rows padded
-    to whole tiles, so a tile never reaches the next entry's rows) by a TMA reduce from staging buffer ``buf``, where
+def _add_dq(dq, dq_desc, buf, off_b, head0, heads_q, t, lo, row_tiles, shift, rows_per_batch, valid, tile):
+    """Add this warpgroup's part of row tile ``t``'s dQ (``dq [dq_part_rows, dq_part_cols]``, its GQA group's heads
+    from ``head0``) into the accumulator (``_dq_coord``) by a TMA reduce from staging buffer ``buf``, where
     ``valid``. The reduce runs on under the next row tile; the buffer's next use waits for it to be read."""
     g, m = _row_tile(t, lo, row_tiles, shift, tile)
-    head = off_hkv * tile.GROUP + g
-    row0 = off_b * rows_per_batch + m
     if valid:
         tma.store_wait(0)  # the last reduce from this buffer (a row tile ago) has read it
-        buf.store(dq)
+        buf.reshape([dq_order_rows(tile.BLOCK_M, tile.HEAD_DIM), DQ_ORDER_COLS]).store(_register_order(dq))
         fence_async_shared()
-        _tma_reduce_add(dq_desc, _dq_coord(row0, head, tile.WG, tile), buf)
+        _tma_reduce_add(dq_desc, _dq_coord(off_b * rows_per_batch + m, head0 + g, heads_q, tile.WG, tile), buf)
 
 
 @gluon.jit
-def _dq_coord(row0, head, wg, tile):
-    """Where warpgroup ``wg``'s part of the row tile from accumulator row ``row0`` of ``head`` starts
-    (``dq_part_rows``, ``dq_part_cols``): ``[row, column]`` of the accumulator seen as ``[B · rows_per_batch,
-    Hq · D]``."""
-    OFFSET: gl.constexpr = dq_part_offset(tile.BLOCK_M, tile.HEAD_DIM, wg)
-    return [row0 + OFFSET[0], head * tile.HEAD_DIM + OFFSET[1]]
+def _register_order(dq):
+    """A warpgroup's dQ part ``[64, C]`` (wgmma's accumulator) as ``[64 · C / 128, 128]`` in the order its registers
+    lie: row ``w · C / 8 + j`` holds warp ``w``'s column group ``j`` (columns ``8j … 8j + 7``), 4 values a lane (rows
+    ``r`` and ``r + 8`` of one column pair). A reshape of the registers, no data moved; stored unswizzled, each warp
+    writes 512 contiguous bytes an instruction (16-byte stores without bank conflicts, where the [64, C] tile's
+    8-byte stores into the 128-byte swizzle conflicted 2-way: NOTES v29). ``attention_bwd_dq_scale_kernel``
+    undoes it."""
+    J: gl.constexpr = dq.shape[1] // 8
+    return dq.reshape([4, 2, 8, J, 4, 2]).permute((0, 3, 2, 4, 1, 5)).reshape([4 * J, DQ_ORDER_COLS])
+
+
+@gluon.jit
+def _dq_coord(row0, head, heads_q, wg, tile):
+    """Where warpgroup ``wg``'s part of the row tile from accumulator row ``row0`` (``[B, rows_per_batch, Hq, D]``,
+    each batch entry's rows padded to whole tiles) of ``head`` lies in the accumulator seen as ``[·, Hq,
+    DQ_ORDER_COLS]``: a row tile's memory (all heads) holds ``2 · dq_order_rows`` rows of each head, the parts in
+    turn, each in register order (``_register_order``); a part's rows lie ``Hq · DQ_ORDER_COLS`` values apart, as
+    the tile's own rows would, so its adds spread over the L2 as before."""
+    ROWS: gl.constexpr = dq_order_rows(tile.BLOCK_M, tile.HEAD_DIM)
+    return [((row0 // tile.BLOCK_M) * 2 + wg) * ROWS, head, 0]
 
 
 @gluon.jit
@@ -662,13 +689,14 @@ def _spacing(n_tiles, seqlen_k, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _stage_dq(dq, dq_smem, dq_full, dq_empty, t, valid, tile):
-    """ORDERED: this warpgroup's part of its ``t``-th row tile's dQ into staging buffer ``t % 2`` for the writer
-    warp, once the writer has released that buffer's last tile (two tiles ago), where ``valid``."""
+    """ORDERED: this warpgroup's part of its ``t``-th row tile's dQ into its half of staging buffer ``t % 2`` for the
+    writer warp, once the writer has released that buffer's last tile (two tiles ago), where ``valid``."""
+    ROWS: gl.constexpr = dq_order_rows(tile.BLOCK_M, tile.HEAD_DIM)
     t = gl.maximum(t, 0)
     buf = t % 2
     mbarrier.wait(dq_empty.index(buf), ((t // 2) & 1) ^ 1, pred=valid)  # a fresh barrier passes parity 1
     if valid:
-        dq_smem.index(2 * buf + tile.WG).store(dq)
+        dq_smem.index(buf).reshape([2 * ROWS, DQ_ORDER_COLS]).slice(tile.WG * ROWS, ROWS).store(_register_order(dq))
         fence_async_shared()
     mbarrier.arrive(dq_full.index(buf), count=1, pred=valid)
 
@@ -676,18 +704,18 @@ def _stage_dq(dq, dq_smem, dq_full, dq_empty, t, valid, tile):
 @gluon.jit
 def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, rows_per_batch, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles,
                tile):
-    """ORDERED, one warp: the program's dQ tiles into the float32 accumulator in a fixed order. Each (batch, head,
-    row tile) has a counter in ``SEM`` (int32, zeroed) of the adds landed; the writer waits until it reaches this
-    program's turn (``_turn``), issues both warpgroups' TMA copies (a tile's first turn stores, so the accumulator
-    needs no zeroing and the first add reads nothing; later turns add), and once they have landed raises the counter
-    and releases the staging buffers (the consumers run up to two tiles ahead). So every run adds in the same order:
-    dQ is bitwise reproducible. An add waits on its own program's earlier adds and on the adds at the same tile with
-    an earlier turn, which ``_turn`` puts at earlier steps (or, at the same step, on blocks earlier in turn): that order
+    """ORDERED, one warp: the program's dQ tiles into the float32 accumulator in a fixed order. Each (batch, head, row
+    tile) has a counter in ``SEM`` (int32, zeroed) of the adds landed; the writer waits until it reaches this program's
+    turn (``_turn``), issues one TMA copy of both warpgroups' parts (a tile's first turn stores, so the accumulator
+    needs no zeroing and the first add reads nothing; later turns add), and once it has landed raises the counter and
+    releases the staging buffer (the consumers run up to two tiles ahead). So every run adds in the same order: dQ is
+    bitwise reproducible. An add waits on its own program's earlier adds and on the adds at the same tile with an
+    earlier turn, which ``_turn`` puts at earlier steps (or, at the same step, on blocks earlier in turn): that order
     has no cycle, so every chain of waits ends. (Raising a tile's counter only after the next tile's turn, as before
     NOTES v14, also made the chains cross tiles.) Key blocks may wait on blocks launched after them (non-causal, and
-    causal ones launched block 0 first), so all of a (batch, kv head)'s blocks must be resident at once:
-    ``launch_dkdv`` takes no more of them than the device has SMs (``ordered_blocks``). Causal ones launched last
-    block first (``LAST_BLOCK_FIRST``) wait only on blocks launched before them."""
+    causal ones launched block 0 first), so all of a (batch, kv head)'s blocks must be resident at once: ``launch_dkdv``
+    takes no more of them than the device has SMs (``ordered_blocks``). Causal ones launched last block first
+    (``LAST_BLOCK_FIRST``) wait only on blocks launched before them."""
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(gl.program_id(0), seqlen_q, seqlen_k, heads_kv,
@@ -707,12 +735,10 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, rows_per_batch, seqlen_q, se
             seen = gl.min(_load_acquire(counter), axis=0)
         row0 = off_b * rows_per_batch + m
         if turn == 0:
-            tma.async_copy_shared_to_global(DQ, _dq_coord(row0, head, 0, tile), dq_smem.index(2 * buf))
-            tma.async_copy_shared_to_global(DQ, _dq_coord(row0, head, 1, tile), dq_smem.index(2 * buf + 1))
+            tma.async_copy_shared_to_global(DQ, _dq_coord(row0, head, heads_q, 0, tile), dq_smem.index(buf))
         else:
-            _tma_reduce_add(DQ, _dq_coord(row0, head, 0, tile), dq_smem.index(2 * buf))
-            _tma_reduce_add(DQ, _dq_coord(row0, head, 1, tile), dq_smem.index(2 * buf + 1))
-        _release(counter, lane)  # once both copies have landed: count them, free their buffers
+            _tma_reduce_add(DQ, _dq_coord(row0, head, heads_q, 0, tile), dq_smem.index(buf))
+        _release(counter, lane)  # once the copy has landed: count it, free its buffer
         mbarrier.arrive(dq_empty.index(buf), count=1)
 
 
@@ -784,13 +810,14 @@ def stores_by_tma(q, dk, dv, tile) -> bool:
 
 
 def dq_descriptor(dq_acc, tile, d: int, device):
-    """The kernel's dQ argument: a descriptor over ``dq_acc [B, rows, Hq, D]`` seen as ``[B · rows, Hq · D]`` with
-    boxes of one warpgroup's part of a row tile (``dq_part_rows`` by ``dq_part_cols``); without ``dq_acc`` (not
-    fused) a placeholder the kernel never reads."""
+    """The kernel's dQ argument: a descriptor over ``dq_acc [B, rows, Hq, D]`` (contiguous) seen as ``[·, Hq,
+    DQ_ORDER_COLS]``, unswizzled, with boxes of one warpgroup's part of a row tile in register order
+    (``dq_order_rows``, ``_dq_coord``; both parts for ``dq_ordered``'s writer warp); without ``dq_acc`` (not fused)
+    a placeholder the kernel never reads."""
     if dq_acc is None:
         return _placeholder(d, device)[1]
-    box = (dq_part_rows(tile.block_m), dq_part_cols(tile.block_m, d))
-    return descriptor(dq_acc.view(dq_acc.shape[0] * dq_acc.shape[1], -1), box)
+    box = ((2 if tile.dq_ordered else 1) * dq_order_rows(tile.block_m, d), 1, DQ_ORDER_COLS.value)
+    return descriptor(dq_acc.view(-1, dq_acc.shape[2], DQ_ORDER_COLS.value), box, swizzled=False)
 
 
 @functools.cache

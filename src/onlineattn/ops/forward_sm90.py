@@ -621,8 +621,11 @@ def _softmax(s, m_i, l_i, start_n, rows, seqlen_k, diag, mask_from, qk_scale, CA
 
 
 @functools.cache
-def _shared_layout(block: tuple, dtype: torch.dtype):
+def _shared_layout(block: tuple, dtype: torch.dtype, swizzled: bool = True):
     element = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    if not swizzled:
+        return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=element.primitive_bitwidth,
+                                    rank=len(block))
     return gl.NVMMASharedLayout.get_default_for(list(block), element)
 
 
@@ -658,24 +661,25 @@ _DESCRIPTORS: dict = {}  # (address, shape, strides, dtype, box) -> descriptor o
 MAX_DESCRIPTORS = 8192
 
 
-def descriptor(x, block: tuple) -> TensorDescriptor:
-    """A Gluon TMA descriptor of ``x`` with box ``block`` (the kernels' shared-memory layout for it). Kept by
+def descriptor(x, block: tuple, swizzled: bool = True) -> TensorDescriptor:
+    """A Gluon TMA descriptor of ``x`` with box ``block`` (the kernels' shared-memory layout for it: NVMMA's default
+    swizzle, or with ``swizzled=False`` none, the box row-major as it lies in shared memory). Kept by
     address and geometry: a launch reads nothing else of a descriptor, so a repeat over the same memory (a training
     step's recycled buffers, a benchmark loop) reuses it instead of building and checking a new one (2-3 µs each on
     the H200 machine's CPU, NOTES v24). ``ONLINEATTN_LAUNCH_CACHE=0`` builds every one afresh, as before."""
     if not launch_cache.enabled:
-        return _build(x, block)
-    key = (x.data_ptr(), x.shape, x.stride(), x.dtype, block)
+        return _build(x, block, swizzled)
+    key = (x.data_ptr(), x.shape, x.stride(), x.dtype, block, swizzled)
     kept = _DESCRIPTORS.get(key)
     if kept is None:
-        kept = _build(x, block)  # checks the geometry
+        kept = _build(x, block, swizzled)  # checks the geometry
         kept.base = _Address(key[0], x.dtype)
         bounded_put(_DESCRIPTORS, key, keep_launch_args(kept), MAX_DESCRIPTORS)
     return kept
 
 
-def _build(x, block: tuple) -> TensorDescriptor:
-    return TensorDescriptor.from_tensor(x, list(block), _shared_layout(block, x.dtype))
+def _build(x, block: tuple, swizzled: bool = True) -> TensorDescriptor:
+    return TensorDescriptor.from_tensor(x, list(block), _shared_layout(block, x.dtype, swizzled))
 
 
 def descriptors(q, k, v, o, cfg) -> tuple:
