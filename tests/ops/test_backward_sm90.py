@@ -572,10 +572,10 @@ def test_ordered_dq_needs_no_zeroed_accumulator(shape, causal, monkeypatch):
                          ids=lambda s: "x".join(map(str, s)))
 def test_unordered_dq_accumulator_is_zeroed_by_the_delta_pass(shape, causal, monkeypatch):
     """The fused tile that adds dQ in any order needs its float32 accumulator zeroed: it comes from the allocation
-    filled with NaN here (padding rows too), and the preprocess kernel zeroes its rows below Sq before the dK/dV
-    kernel adds into them. dQ matches a clean call's up to float32 summation order (dK and dV, summed in
-    registers, bit for bit), through the full path and a repeat. Shapes: Sk > Sq, Sq > Sk by more than a row tile
-    (rows no key block sees), d = 64's 128-row tiles."""
+    filled with NaN here (padding rows too), and the preprocess kernel zeroes all its rows (the padding rows' memory
+    holds other heads' values in the kernel's order) before the dK/dV kernel adds into them. dQ matches a clean call's
+    up to float32 summation order (dK and dV, summed in registers, bit for bit), through the full path and a repeat.
+    Shapes: Sk > Sq, Sq > Sk by more than a row tile (rows no key block sees), d = 64's 128-row tiles."""
     b, sq, sk, hq, hkv, d = shape
     g = torch.Generator().manual_seed(sum(shape) + causal)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", torch.bfloat16)

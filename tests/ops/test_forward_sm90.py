@@ -581,9 +581,9 @@ def test_long_and_strided_bf16(d, causal, table):
 
 
 def test_descriptors_are_kept_by_address_and_geometry(monkeypatch):
-    """A descriptor over the same memory, shape, strides, dtype and box as one built before is that one; any of them
-    different gives another. A kept descriptor holds its tensor's address, not the tensor. With the launch cache off
-    (``ONLINEATTN_LAUNCH_CACHE=0``) every call builds its own, around the tensor."""
+    """A descriptor over the same memory, shape, strides, dtype, box and swizzle as one built before is that one; any of
+    them different gives another. A kept descriptor holds its tensor's address, not the tensor. With the launch cache
+    off (``ONLINEATTN_LAUNCH_CACHE=0``) every call builds its own, around the tensor."""
     import gc
     import weakref
 
@@ -597,7 +597,8 @@ def test_descriptors_are_kept_by_address_and_geometry(monkeypatch):
     assert kept.base.data_ptr() == x.data_ptr() and tuple(kept.shape) == x.shape and tuple(kept.strides) == x.stride()
     wider = memory.as_strided(x.shape, (2 * x.stride(0), *x.stride()[1:]))  # same address and shape, other strides
     others = [memory[: x.numel()].clone().view(x.shape), x[:, :64], wider, x.half(), x.view(torch.float16)]
-    built = [forward_sm90.descriptor(y, box) for y in others] + [forward_sm90.descriptor(x, (1, 128, 1, 128))]
+    built = [forward_sm90.descriptor(y, box) for y in others] + [forward_sm90.descriptor(x, (1, 128, 1, 128)),
+                                                                 forward_sm90.descriptor(x, box, swizzled=False)]
     assert all(d is not kept for d in built) and len({id(d) for d in built}) == len(built)
     for y, d in zip(others, built):
         assert d.base.data_ptr() == y.data_ptr() and tuple(d.strides) == y.stride() and d.base.dtype == y.dtype

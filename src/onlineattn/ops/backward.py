@@ -460,6 +460,7 @@ def attention_bwd_dq_scale_kernel(ACC, DQ, scale, stride_db, stride_ds, stride_d
     h = pid % heads_q
     t = (pid // heads_q) % tiles
     b = (pid // (heads_q * tiles)).to(tl.int64)
+    tl.static_assert(BLOCK_M == 64 or BLOCK_M == 128, "parts of 64 rows: the row tile's halves, or all of it")
     C: tl.constexpr = BLOCK_M * HEAD_DIM // 128  # a part's columns; also the tile's rows of 128 values per head
     acc_rows = (b * tiles + t) * C + tl.arange(0, C)
     x = tl.load(ACC + ((acc_rows * heads_q + h) * 128)[:, None] + tl.arange(0, 128)[None, :])
@@ -693,8 +694,8 @@ def _dlse_arg(lse, dlse):
 
 
 class _Zero(NamedTuple):
-    """What the preprocess kernel zeroes for a fused dQ: ``memory`` (float32 or int32), with ``accumulator`` the
-    rows below Sq of a float32 accumulator of ``rows`` rows per batch entry, else with ``tile`` > 0 the int32
+    """What the preprocess kernel zeroes for a fused dQ: ``memory`` (float32 or int32), with ``accumulator`` all
+    ``rows`` rows per batch entry of a float32 accumulator (padding rows past Sq too), else with ``tile`` > 0 the int32
     counters of ``tile``-row tiles (``rows`` of them per (batch, head)); nothing where neither."""
 
     memory: torch.Tensor

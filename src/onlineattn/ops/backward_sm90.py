@@ -38,12 +38,12 @@ With ``fused_dq`` no dQ kernel runs: both warpgroups write their dSᵀ to shared
 issues dQ = dS K for its part of dQ (half the rows of a 128-row tile, else half the columns: ``dq_part_rows``,
 ``dq_part_cols``) over all 128 keys behind that tile's dV and dK, and adds the result into a float32 accumulator by a
 TMA reduce-add (``cp.reduce.async.bulk.tensor``). The accumulator holds each part in the order of the warpgroup's
-registers (``_register_order``: staged by conflict-free 16-byte stores, one contiguous 16 KiB add; FA3's flat dQ
-staging), which the scaling pass after the kernel undoes. The programs' adds land in no fixed order, so the table takes
-that only for calls that allow it (``deterministic=False``). With ``dq_ordered`` the warpgroups stage their dQ tiles for
-a writer warp that adds them in a fixed order (``_dq_writer``, ``_turn``; a row tile's first add is a TMA store, so that
-accumulator needs no zeroing), and deterministic calls take it where it measured faster than the dQ kernel. Either way a
-pass after the kernel scales the sum into dq (``backward.py``).
+registers (``_register_order``: staged by conflict-free 16-byte stores and added by one TMA reduce of rows of 128
+values; FA3's flat dQ staging), which the scaling pass after the kernel undoes. The programs' adds land in no fixed
+order, so the table takes that only for calls that allow it (``deterministic=False``). With ``dq_ordered`` the
+warpgroups stage their dQ tiles for a writer warp that adds them in a fixed order (``_dq_writer``, ``_turn``; a row
+tile's first add is a TMA store, so that accumulator needs no zeroing), and deterministic calls take it where it
+measured faster than the dQ kernel. Either way a pass after the kernel scales the sum into dq (``backward.py``).
 """
 
 import functools
@@ -100,8 +100,8 @@ DQ_ORDER_COLS = gl.constexpr(128)  # float32 columns of the dQ accumulator's reg
 
 @gluon.constexpr_function
 def dq_order_rows(block_m, d):
-    """Rows of ``DQ_ORDER_COLS`` one warpgroup's part of a row tile's dQ takes in register order (``_register_order``),
-    the dQ descriptor's box: a part is 64 rows by ``dq_part_cols``."""
+    """Rows of ``DQ_ORDER_COLS`` one warpgroup's part of a row tile's dQ takes in register order (``_register_order``;
+    a part is 64 rows by ``dq_part_cols``): the dQ descriptor's box, twice that for the ordered writer's copy."""
     return dq_part_rows(block_m) * dq_part_cols(block_m, d) // DQ_ORDER_COLS.value
 
 
@@ -161,7 +161,12 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
                                       and DQ.block_type.shape[1] == 1 and DQ.block_type.shape[2] == DQ_ORDER_COLS
                                       and dq_part_rows(BLOCK_M) == 64),
                      "the dQ box: a part of a row tile in register order, both with ORDERED (dq_descriptor)")
-    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + DQ.block_type.shape, DQ.layout)
+    # Allocated under a 128-byte swizzle, which aligns it to 1024 bytes as a persistent tile's dK/dV staging needs
+    # (_early_dkdv reinterprets it so), and used in the descriptor's layout (unswizzled where fused).
+    dq_aligned: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32,
+                                                    rank=len(DQ.block_type.shape))
+    dq_smem = gl.allocate_shared_memory(gl.float32, [2] + DQ.block_type.shape, dq_aligned)._reinterpret(
+        gl.float32, [2] + DQ.block_type.shape, DQ.layout)
     dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     kv_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())  # K/V's last reads of a key block
@@ -442,8 +447,8 @@ def _consumer_block(tid, it, n, args, tile):
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
             mbarrier.arrive(ds_free.index(pbuf), count=1, pred=t > 0)
-            _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, heads_kv, t - 1, lo, row_tiles, shift,
-                     dq_rows, t > 0, tile)
+            _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, t - 1, lo, row_tiles, shift, dq_rows,
+                     t > 0, tile)
         else:
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
@@ -453,8 +458,8 @@ def _consumer_block(tid, it, n, args, tile):
         dq = warpgroup_mma(_ds_rows(ds_smem.index(last % 2), tile), k_dq, zero_dq, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
         mbarrier.arrive(ds_free.index(last % 2), count=1, pred=n_tiles > 0)
-        _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, heads_kv, gl.maximum(n_tiles - 1, 0), lo,
-                 row_tiles, shift, dq_rows, n_tiles > 0, tile)
+        _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, gl.maximum(n_tiles - 1, 0), lo, row_tiles,
+                 shift, dq_rows, n_tiles > 0, tile)
         if not tile.ORDERED:
             tma.store_wait(0)  # the last reduce has read its staging buffer
     it += n_tiles
@@ -621,19 +626,18 @@ def _early_dkdv(dk, dv, dk_desc, dv_desc, ds_smem, dq_smem, staged, n, off_b, of
 
 
 @gluon.jit
-def _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, heads_kv, t, lo, row_tiles, shift, dq_rows, valid,
-             tile):
+def _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, t, lo, row_tiles, shift, dq_rows, valid, tile):
     """This warpgroup's part of row tile ``t``'s dQ, where ``valid``: staged for the writer warp (ORDERED,
     ``_stage_dq``), else added at once (``_add_dq``)."""
     if tile.ORDERED:
         _stage_dq(dq, dq_smem, dq_full, dq_empty, t, valid, tile)
     else:
-        _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv * tile.GROUP, heads_kv * tile.GROUP, t, lo, row_tiles,
-                shift, dq_rows, valid, tile)
+        _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv * tile.GROUP, t, lo, row_tiles, shift, dq_rows, valid,
+                tile)
 
 
 @gluon.jit
-def _add_dq(dq, dq_desc, buf, off_b, head0, heads_q, t, lo, row_tiles, shift, rows_per_batch, valid, tile):
+def _add_dq(dq, dq_desc, buf, off_b, head0, t, lo, row_tiles, shift, rows_per_batch, valid, tile):
     """Add this warpgroup's part of row tile ``t``'s dQ (``dq [dq_part_rows, dq_part_cols]``, its GQA group's heads
     from ``head0``) into the accumulator (``_dq_coord``) by a TMA reduce from staging buffer ``buf``, where
     ``valid``. The reduce runs on under the next row tile; the buffer's next use waits for it to be read."""
@@ -642,7 +646,7 @@ def _add_dq(dq, dq_desc, buf, off_b, head0, heads_q, t, lo, row_tiles, shift, ro
         tma.store_wait(0)  # the last reduce from this buffer (a row tile ago) has read it
         buf.reshape([dq_order_rows(tile.BLOCK_M, tile.HEAD_DIM), DQ_ORDER_COLS]).store(_register_order(dq))
         fence_async_shared()
-        _tma_reduce_add(dq_desc, _dq_coord(off_b * rows_per_batch + m, head0 + g, heads_q, tile.WG, tile), buf)
+        _tma_reduce_add(dq_desc, _dq_coord(off_b * rows_per_batch + m, head0 + g, tile.WG, tile), buf)
 
 
 @gluon.jit
@@ -658,7 +662,7 @@ def _register_order(dq):
 
 
 @gluon.jit
-def _dq_coord(row0, head, heads_q, wg, tile):
+def _dq_coord(row0, head, wg, tile):
     """Where warpgroup ``wg``'s part of the row tile from accumulator row ``row0`` (``[B, rows_per_batch, Hq, D]``,
     each batch entry's rows padded to whole tiles) of ``head`` lies in the accumulator seen as ``[·, Hq,
     DQ_ORDER_COLS]``: a row tile's memory (all heads) holds ``2 · dq_order_rows`` rows of each head, the parts in
@@ -735,9 +739,9 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, rows_per_batch, seqlen_q, se
             seen = gl.min(_load_acquire(counter), axis=0)
         row0 = off_b * rows_per_batch + m
         if turn == 0:
-            tma.async_copy_shared_to_global(DQ, _dq_coord(row0, head, heads_q, 0, tile), dq_smem.index(buf))
+            tma.async_copy_shared_to_global(DQ, _dq_coord(row0, head, 0, tile), dq_smem.index(buf))
         else:
-            _tma_reduce_add(DQ, _dq_coord(row0, head, heads_q, 0, tile), dq_smem.index(buf))
+            _tma_reduce_add(DQ, _dq_coord(row0, head, 0, tile), dq_smem.index(buf))
         _release(counter, lane)  # once the copy has landed: count it, free its buffer
         mbarrier.arrive(dq_empty.index(buf), count=1)
 
@@ -830,18 +834,18 @@ def _placeholder(d: int, device) -> tuple:
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None,
                 dq_sem=None, head_group: int = 1):
-    """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse
-    and delta (``[B, Hq, Sq]``, last dim contiguous; from the dQ kernel, or from the preprocess kernel before a fused
-    dQ) into ``dk``/``dv`` (any float dtype, last dim contiguous; by TMA stores where ``stores_by_tma``, else from
-    registers). A ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (float32 ``[B, Sq rounded
-    up to the row tile, Hq, D]``, contiguous, its rows below Sq zeroed before this launch: backward.py's delta pass
-    does it; padding rows may hold anything); a ``dq_ordered`` one adds in a fixed order, counting the adds in
-    ``dq_sem`` (int32 ``[B, Hq, row tiles]``, zeroed likewise), and stores its first add to each row tile, so
-    ``dq_acc`` needs zeroing only in the rows no key block sees (causal, Sq > Sk). ``head_group``: the
-    (batch, kv head) columns launched interleaved (``_configs.bwd_head_group``; 1 for ``dq_ordered``, whose waits
-    need a head's programs launched together). Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept
-    for repeats with new arrays (``descriptors(q, k, v, do, dk, dv, tile), lse, delta, dk, dv, dq_descriptor(dq_acc,
-    ...), semaphores(dq_sem, ...)``, placeholders where not fused or not ordered)."""
+    """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse and
+    delta (``[B, Hq, Sq]``, last dim contiguous; from the dQ kernel, or from the preprocess kernel before a fused dQ)
+    into ``dk``/``dv`` (any float dtype, last dim contiguous; by TMA stores where ``stores_by_tma``, else from
+    registers). A ``fused_dq`` tile also adds dS K (dQ without the scale) into ``dq_acc`` (the memory of float32 ``[B,
+    Sq rounded up to the row tile, Hq, D]``, contiguous, each row tile's in the kernel's order, ``_dq_coord``; all of it
+    zeroed before this launch, padding rows too: backward.py's delta pass does it); a ``dq_ordered`` one adds in a fixed
+    order, counting the adds in ``dq_sem`` (int32 ``[B, Hq, row tiles]``, zeroed likewise), and stores its first add to
+    each row tile, so ``dq_acc`` needs zeroing only in the rows no key block sees (causal, Sq > Sk). ``head_group``: the
+    (batch, kv head) columns launched interleaved (``_configs.bwd_head_group``; 1 for ``dq_ordered``, whose waits need a
+    head's programs launched together). Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept for repeats
+    with new arrays (``descriptors(q, k, v, do, dk, dv, tile), lse, delta, dk, dv, dq_descriptor(dq_acc, ...),
+    semaphores(dq_sem, ...)``, placeholders where not fused or not ordered)."""
     if q.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"q: the Hopper dK/dV kernel is built for head dims {HEAD_DIMS}, not {q.shape[-1]}")
     for name, x in (("dk", dk), ("dv", dv)):

@@ -655,7 +655,7 @@ class _Address:
         return f"_Address(0x{self.ptr:x}, {self.dtype})"
 
 
-_DESCRIPTORS: dict = {}  # (address, shape, strides, dtype, box) -> descriptor over an _Address
+_DESCRIPTORS: dict = {}  # (address, shape, strides, dtype, box, swizzled) -> descriptor over an _Address
 # A training step keeps ~11 a layer (the forward's 4, the backward's 7), a few hundred bytes each: room for several
 # hundred layers before the table starts over.
 MAX_DESCRIPTORS = 8192
