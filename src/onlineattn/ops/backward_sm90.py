@@ -735,7 +735,10 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, rows_per_batch, seqlen_q, se
         mbarrier.wait(dq_full.index(buf), (t // 2) & 1)
         counter = SEM + ((off_b * heads_q + head) * q_tiles + m // BLOCK_M) + lane * 0  # lane 0 releases it
         seen = gl.min(_load_acquire(counter), axis=0)
-        while seen < turn:
+        while seen < turn:  # not yet: poll without acquiring, then acquire
+            polled = gl.min(_load_relaxed(counter), axis=0)
+            while polled < turn:
+                polled = gl.min(_load_relaxed(counter), axis=0)
             seen = gl.min(_load_acquire(counter), axis=0)
         row0 = off_b * rows_per_batch + m
         if turn == 0:
@@ -777,6 +780,15 @@ def _load_acquire(ptrs):
     """An acquiring load of int32 ``ptrs`` (then a proxy fence: the TMA copies issued after it see what it saw)."""
     return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];\n\tfence.proxy.async.global;", "=r,l",
                                      [ptrs], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _load_relaxed(ptrs):
+    """A strong load of int32 ``ptrs`` (from L2) without ordering: the writer's poll. ``_load_acquire`` compiles to
+    a strong load and an invalidation of the SM's whole L1 (``CCTL.IVALL``), where the consumers' spilled registers
+    live; polling with it did that every read (NOTES v32), so the writer polls relaxed and acquires once after."""
+    return gl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=gl.int32,
+                                     is_pure=False, pack=1)
 
 
 @gluon.jit
