@@ -735,8 +735,8 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, rows_per_batch, seqlen_q, se
         mbarrier.wait(dq_full.index(buf), (t // 2) & 1)
         counter = SEM + ((off_b * heads_q + head) * q_tiles + m // BLOCK_M) + lane * 0  # lane 0 releases it
         seen = gl.min(_load_acquire(counter), axis=0)
-        while seen < turn:  # not yet: poll without acquiring, then acquire
-            polled = gl.min(_load_relaxed(counter), axis=0)
+        while seen < turn:  # not yet: poll without acquiring, then acquire (it sees what the poll saw: runs once)
+            polled = seen
             while polled < turn:
                 polled = gl.min(_load_relaxed(counter), axis=0)
             seen = gl.min(_load_acquire(counter), axis=0)
@@ -784,9 +784,10 @@ def _load_acquire(ptrs):
 
 @gluon.jit
 def _load_relaxed(ptrs):
-    """A strong load of int32 ``ptrs`` (from L2) without ordering: the writer's poll. ``_load_acquire`` compiles to
-    a strong load and an invalidation of the SM's whole L1 (``CCTL.IVALL``), where the consumers' spilled registers
-    live; polling with it did that every read (NOTES v32), so the writer polls relaxed and acquires once after."""
+    """A strong load of int32 ``ptrs`` (from L2) without ordering: the writer's poll. ptxas lowers ``_load_acquire``
+    to a strong load and an invalidation of the SM's whole L1 (``CCTL.IVALL``), which likely also cost the consumers
+    their spilled registers cached there (inferred, NOTES v32); polling with it did that every read, so the writer
+    polls relaxed and acquires once after."""
     return gl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=gl.int32,
                                      is_pure=False, pack=1)
 
