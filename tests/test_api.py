@@ -333,3 +333,37 @@ def test_training_step_replays_from_a_cuda_graph(d, n, hkv, causal, deterministi
                 torch.testing.assert_close(got.float(), ref.float(), rtol=2**-7, atol=1e-6)
             else:
                 assert torch.equal(got, ref), name
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("scale", [-0.3, 0.0])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_non_positive_scales_match_the_oracle(backend, scale, causal):
+    """The kernels take a row's maximum of the raw scores before scaling, so a scale <= 0 reaches them as q negated
+    (or zeroed) with a positive scale: o, lse and the gradients are the oracle's, masked keys included (Sk off the
+    block size, causal rows that see few keys)."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # CPU: through the interpreter
+    q, k, v = (x.to(device) for x in _qkv(torch.Generator().manual_seed(20), sq=9, sk=13))
+    do = torch.randn(q.shape[:3] + v.shape[3:], generator=torch.Generator().manual_seed(21)).to(device)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = onlineattn.attention(*leaves, causal=causal, softmax_scale=scale, return_lse=True, backend=backend)
+    grads = torch.autograd.grad(o, leaves, do)
+    exact_o, exact_lse = R.naive_attention(q, k, v, causal=causal, softmax_scale=scale, return_lse=True)
+    R.assert_within_rule("o", o, exact_o)
+    R.assert_within_rule("lse", lse, exact_lse)
+    exact = R.naive_attention_backward(q, k, v, do, causal=causal, softmax_scale=scale)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, exact):
+        R.assert_within_rule(name, got, want)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("scale", [-0.5, 0.0])
+def test_kvcache_non_positive_scales_match_the_oracle(backend, scale):
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # CPU: through the interpreter
+    q, k_cache, v_cache, _, _ = (x.to(device) for x in _decode_inputs(torch.Generator().manual_seed(22)))
+    lens = torch.tensor([5, 30], dtype=torch.int32, device=device)
+    o, lse = onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, softmax_scale=scale,
+                                               return_lse=True, backend=backend)
+    exact = R.kvcache_attention(q, k_cache, v_cache, cache_seqlens=lens, softmax_scale=scale)
+    R.assert_within_rule("o", o, exact[0])
+    R.assert_within_rule("lse", lse, exact[1])

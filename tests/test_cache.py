@@ -435,3 +435,8 @@ def test_attend_names_q_for_a_wrong_batch_or_dtype(make):
         with pytest.raises(exc, match=match):
             cache.attend(q, *seqs, k, k)
     assert not cache.k.any()
+
+
+def test_a_cuda_device_this_process_lacks_is_refused_naming_it():
+    with pytest.raises(ValueError, match="device"):
+        KVCache(1, 8, 1, 16, dtype=torch.float32, device=f"cuda:{torch.cuda.device_count() + 3}")

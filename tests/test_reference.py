@@ -299,3 +299,30 @@ def test_varlen_oracle_is_attention_per_sequence():
                                                alibi_slopes=torch.from_numpy(slopes))
     _assert_close("o (torch math)", o_t.numpy(), o, tol=1e-12)
     _assert_close("lse (torch math)", lse_t.numpy(), lse, tol=1e-12)
+
+
+def test_oracle_refuses_bad_arguments_naming_them():
+    """The oracle is public: shapes that do not agree, a window side below -1, a negative softcap, a block < 1, a
+    2-D row for ``online_softmax`` and cache lengths or pages past the cache raise ValueError, not a numpy error
+    or a silent broadcast."""
+    rng = np.random.default_rng(0)
+    q, k, v = rng.standard_normal((2, 4, 2, 8)), rng.standard_normal((2, 5, 1, 8)), rng.standard_normal((2, 5, 1, 8))
+    cases = [
+        (lambda: R.naive_attention(q, k[:1], v[:1]), "must agree"),
+        (lambda: R.naive_attention(q, k, v[..., :1, :, :]), "must agree"),
+        (lambda: R.naive_attention(q[0], k, v), r"\[B, S, H, D\]"),
+        (lambda: R.naive_attention(q, k, v, window_size=(-3, 0)), "window_size"),
+        (lambda: R.naive_attention(q, k, v, window_size=(1,)), "window_size"),
+        (lambda: R.naive_attention(q, k, v, softcap=-1.0), "softcap"),
+        (lambda: R.online_attention(q, k, v, block=0), "block"),
+        (lambda: R.online_softmax(np.zeros((2, 3))), "1-D"),
+        (lambda: R.kvcache_attention(q[:, :1], k, v, cache_seqlens=6), "cache_seqlens"),
+        (lambda: R.kvcache_attention(q[:1, :1], rng.standard_normal((3, 4, 1, 8)), rng.standard_normal((3, 4, 1, 8)),
+                                     cache_seqlens=5, block_table=np.array([[0, 3]])), "block_table"),
+    ]
+    for call, match in cases:
+        with pytest.raises(ValueError, match=match):
+            call()
+    # pages past a sequence's length are not read: an unassigned (-1) entry there is fine
+    k_pool, v_pool = rng.standard_normal((3, 4, 1, 8)), rng.standard_normal((3, 4, 1, 8))
+    R.kvcache_attention(q[:1, :1], k_pool, v_pool, cache_seqlens=3, block_table=np.array([[2, -1]]))

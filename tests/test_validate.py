@@ -424,14 +424,51 @@ def test_sparse_and_nested_tensors_are_refused_naming_them():
 
 @pytest.mark.parametrize("kw,arg", [({"softmax_scale": 1e39}, "softmax_scale"),
                                     ({"softmax_scale": 10**400}, "softmax_scale"),
-                                    ({"softmax_scale": -1e39}, "softmax_scale"), ({"softcap": 1e300}, "softcap"),
-                                    ({"softcap": 1e-40}, "softcap")])
+                                    ({"softmax_scale": -1e39}, "softmax_scale"),
+                                    ({"softmax_scale": 3e38}, "softmax_scale"),
+                                    ({"softmax_scale": 1e-39}, "softmax_scale"),
+                                    ({"softmax_scale": -1e-45}, "softmax_scale"), ({"softcap": 1e300}, "softcap"),
+                                    ({"softcap": 3e38}, "softcap"), ({"softcap": 1e-40}, "softcap")])
 def test_scale_and_softcap_must_fit_float32(kw, arg):
-    """The kernels compute in float32: a scale or softcap past its range (inf there), or a subnormal softcap (0 on
-    the GPU, so 0 / 0 for a zero score), is refused rather than turned into NaN."""
+    """The kernels compute in float32 with log2 e folded into the scale and the softcap: one whose product with it
+    is past float32's range (inf there), or subnormal (0 on the GPU, so 0 / 0 for a zero score), is refused rather
+    than turned into NaN. A scale of 0 is taken (every visible key weighs the same)."""
     q, k, v = _qkv()
     _raises(ValueError, arg, lambda: onlineattn.attention(q, k, v, **kw), "float32")
     assert not onlineattn.attention(torch.zeros_like(q), k, v, softcap=1e-30).isnan().any()
+    assert torch.allclose(onlineattn.attention(q, k, v, softmax_scale=0), v.mean(1, keepdim=True).repeat_interleave(
+        2, dim=2).expand_as(q), atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("window", [(0, 2**31 - 1), (2**31 - 1, 2**31 - 1), (2**31 - 1, 0), (2**70, 3), (3, 2**30)])
+def test_window_sides_past_every_index_are_unbounded(backend, window):
+    """A window side of 2^30 (the kernels' unbounded) or more reaches past every index: it is -1, not a value
+    that overflows the kernels' int32 index arithmetic (which then hid every key) or torch's int64 schema."""
+    assert V.check_window(window) == tuple(-1 if side >= 2**30 else side for side in window)
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # CPU: through the interpreter
+    q, k, v = (x.to(device).requires_grad_() for x in _qkv())
+    o = onlineattn.attention(q, k, v, window_size=window, backend=backend)
+    grads = torch.autograd.grad(o.sum(), (q, k, v))
+    same = onlineattn.attention(q, k, v, window_size=V.check_window(window), backend=backend)
+    assert torch.equal(o, same)
+    assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(same.sum(), (q, k, v))))
+
+
+def test_nested_kvcache_tensors_are_refused_naming_them():
+    """A nested tensor has no sizes to memoise: it reaches the checks, which name it."""
+    t = _kv()
+    nested = torch.nested.nested_tensor([torch.randn(1, 4, 8), torch.randn(1, 4, 8)])
+    for name in ("q", "k_cache", "v_cache"):
+        _raises(TypeError, name, _kvcall(t, **{name: nested}), "dense")
+
+
+def test_varlen_max_seqlen_is_never_negative():
+    cu = torch.zeros(1, dtype=torch.int32)
+    empty = (torch.randn(0, 2, 8), torch.randn(0, 1, 8), torch.randn(0, 1, 8))
+    for name in ("max_seqlen_q", "max_seqlen_k"):
+        lengths = {"max_seqlen_q": 0, "max_seqlen_k": 0, name: -5}
+        _raises(ValueError, name, lambda: onlineattn.attention_varlen(*empty, cu, cu, **lengths), "-5")
 
 
 @pytest.mark.parametrize(

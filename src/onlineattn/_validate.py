@@ -14,10 +14,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ._mods import UNBOUNDED
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # scale and softcap reach the kernels as float32
 FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # the least normal float32 (GPUs flush smaller ones to 0)
+LOG2E = 1.4426950408889634  # the kernels fold it into the scale and the softcap (exp2): float32 must hold the product
 BACKENDS = ("auto", "torch", "triton")
 PAGE_MULTIPLE = 16  # paged caches: the page size must be a multiple of this (a key block of the decode kernel)
 MAX_NUM_SPLITS = 65535  # split-KV decoding launches one program column per split; CUDA caps a grid dim there
@@ -79,14 +82,26 @@ def check_qkv(q, k, v) -> Dims:
 
 
 def check_scale(softmax_scale, head_dim: int, name: str = "softmax_scale") -> float:
-    """Return the softmax scale as a float: ``None`` means ``1/sqrt(head_dim)``. ``name``: the caller's keyword."""
+    """Return the softmax scale as a float: ``None`` means ``1/sqrt(head_dim)``. ``name``: the caller's keyword. Any
+    sign; 0, or a magnitude that stays a normal float32 times log2 e (the kernels' exp2 folds it in; a subnormal one
+    flushes to 0 on the GPU)."""
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
         raise TypeError(f"{name} must be a float or None, got {type(softmax_scale).__name__}")
-    if not abs(softmax_scale) <= FLOAT32_MAX:  # NaN fails the comparison too
-        raise ValueError(f"{name} must be finite in float32 (|{name}| <= {FLOAT32_MAX:.4g}), got {softmax_scale}")
+    if softmax_scale and not FLOAT32_TINY <= abs(softmax_scale) <= FLOAT32_MAX / LOG2E:  # NaN fails it too
+        raise ValueError(f"{name} must be 0 or finite with a magnitude in [{FLOAT32_TINY:.4g}, "
+                         f"{FLOAT32_MAX / LOG2E:.4g}] (times log2 e a normal float32), got {softmax_scale}")
     return float(softmax_scale)
+
+
+def positive_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """``(q', scale')`` with ``scale' > 0`` and the same scaled scores, for the kernels, which take a row's maximum
+    of the raw scores before scaling (so need ``scale > 0``): ``scale · q·k = |scale| · (−q)·k`` exactly, and scale 0
+    gives the scores of ``q · 0`` (all 0: uniform over the visible keys). On q's autograd graph, so dq follows."""
+    if scale > 0:
+        return q, scale
+    return (-q, -scale) if scale < 0 else (q * 0, 1.0)
 
 
 def check_bool(name: str, value) -> bool:
@@ -135,7 +150,8 @@ def check_not_yet(name: str, value, default, issue: int) -> None:
 
 
 def check_window(window_size) -> tuple[int, int]:
-    """``(left, right)``: two ints, each -1 (unbounded) or >= 0."""
+    """``(left, right)``: two ints, each -1 (unbounded) or >= 0; a side of ``UNBOUNDED`` or more reaches past every
+    index, so it is returned as -1 (the kernels' int32 index arithmetic would overflow on it)."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
     for side, x in zip(("left", "right"), window_size):
@@ -143,16 +159,17 @@ def check_window(window_size) -> tuple[int, int]:
             raise TypeError(f"window_size's {side} side must be an int, got {type(x).__name__}")
         if x < -1:
             raise ValueError(f"window_size's {side} side must be -1 (unbounded) or >= 0, got {x}")
-    return int(window_size[0]), int(window_size[1])
+    left, right = (-1 if x >= UNBOUNDED else int(x) for x in window_size)
+    return left, right
 
 
 def check_softcap(softcap) -> float:
-    """``softcap``: 0 (off), or a normal float32 number (it divides the scores in float32: a subnormal one flushes
-    to 0 on the GPU, a larger one than float32 holds is inf)."""
+    """``softcap``: 0 (off), or a normal float32 number that stays one times log2 e (it divides the scores in
+    float32: a subnormal one flushes to 0 on the GPU; the kernels multiply it by log2 e)."""
     value = check_nonnegative_float("softcap", softcap)
-    if value and not FLOAT32_TINY <= value <= FLOAT32_MAX:
-        raise ValueError(f"softcap must be 0 or a normal float32 number, in [{FLOAT32_TINY:.4g}, {FLOAT32_MAX:.4g}], "
-                         f"got {value}")
+    if value and not FLOAT32_TINY <= value <= FLOAT32_MAX / LOG2E:
+        raise ValueError(f"softcap must be 0 or a normal float32 number, in [{FLOAT32_TINY:.4g}, "
+                         f"{FLOAT32_MAX / LOG2E:.4g}] (times log2 e too), got {value}")
     return value
 
 
@@ -226,6 +243,8 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
     offsets = torch.stack((cu_seqlens_q, cu_seqlens_k)).tolist()
     for name, cu, total, max_len, given in (
         ("cu_seqlens_q", offsets[0], q.shape[0], "max_seqlen_q", max_seqlen_q),
@@ -315,15 +334,16 @@ def _tensor_meta(x):
     """What the checks read of a tensor argument (``()`` for None); None for anything else, which is checked."""
     if x is None:
         return ()
-    if type(x) is not torch.Tensor or x.layout is not torch.strided:  # subclasses, sparse, other types: checked
-        return None
+    if type(x) is not torch.Tensor or x.layout is not torch.strided or x.is_nested:  # subclasses, sparse, nested,
+        return None  #                                                                     other types: checked
     return x.shape, x.stride(), x.dtype, x.device
 
 
 def _same_address(a, b) -> bool:
     """Whether two plain, non-empty tensors start at one address (not read under tracing or functorch transforms,
     where tensors have no storage)."""
-    return (type(a) is torch.Tensor and type(b) is torch.Tensor and a.numel() > 0 and not torch.compiler.is_compiling()
+    return (type(a) is torch.Tensor and type(b) is torch.Tensor and not a.is_nested and not b.is_nested
+            and a.numel() > 0 and not torch.compiler.is_compiling()
             and not torch._C._are_functorch_transforms_active() and a.data_ptr() == b.data_ptr())
 
 

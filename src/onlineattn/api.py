@@ -219,6 +219,7 @@ def _dispatch(backend, q, k, v, scale, causal, mods, return_lse, deterministic=T
     if backend == "triton":
         from .ops import forward as triton_forward
 
+        q, scale = V.positive_scale(q, scale)
         o, lse = triton_forward.attention(q, k, v, scale, causal, mods, deterministic)
     else:
         o, lse = torch_impl.attention(q, k, v, scale, causal, mods)
@@ -371,9 +372,11 @@ def attention_with_kvcache(
     if backend == "triton":  # the kernel's outputs come from torch.empty: no graph to keep out
         from .ops import decode
 
+        q_in = q
+        q, scale = V.positive_scale(q, scale)  # where it changes q, its checked metadata no longer keys the launch
         o, lse = decode.attention_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, num_splits,
-            max_seqlen_k=max_seqlen_k, return_lse=return_lse, meta_key=dims.meta_key,
+            max_seqlen_k=max_seqlen_k, return_lse=return_lse, meta_key=dims.meta_key if q is q_in else None,
         )
     else:
         with torch.no_grad():

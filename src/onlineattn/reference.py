@@ -54,6 +54,9 @@ def visible_mask(sq: int, sk: int, causal: bool, window_size=(-1, -1)) -> np.nda
     Bottom-right aligned: with ``diag = Sk - Sq``, query i sees key j when ``i + diag - left <= j <= i + diag + right``
     for ``window_size = (left, right)``, where -1 leaves that side unbounded and ``causal`` sets ``right = 0``.
     """
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= -1 for x in window_size)):
+        raise ValueError(f"window_size must be a pair of ints, each -1 (unbounded) or >= 0, got {window_size!r}")
     left, right = window_size
     if causal:
         right = 0
@@ -68,8 +71,14 @@ def visible_mask(sq: int, sk: int, causal: bool, window_size=(-1, -1)) -> np.nda
 
 
 def _heads_first(q, k, v):
-    """``[B, S, H, D]`` -> ``[B, H, S, D]``, with k and v repeated to q's heads (GQA)."""
+    """``[B, S, H, D]`` -> ``[B, H, S, D]``, with k and v repeated to q's heads (GQA); their shapes checked."""
     q, k, v = _f64(q), _f64(k), _f64(v)
+    if not q.ndim == k.ndim == v.ndim == 4:
+        raise ValueError(f"q, k and v must be [B, S, H, D], got shapes {q.shape}, {k.shape} and {v.shape}")
+    if (q.shape[0] != k.shape[0] or k.shape[:3] != v.shape[:3] or q.shape[3] != k.shape[3] or k.shape[2] == 0
+            or q.shape[2] % k.shape[2]):
+        raise ValueError(f"q [B, Sq, Hq, D], k [B, Sk, Hkv, D] and v [B, Sk, Hkv, Dv] must agree (Hq a multiple of "
+                         f"Hkv), got {q.shape}, {k.shape} and {v.shape}")
     group = q.shape[2] // k.shape[2]
     qh = q.transpose(0, 2, 1, 3)
     kh = np.repeat(k.transpose(0, 2, 1, 3), group, axis=1)
@@ -114,6 +123,8 @@ def _alibi(slopes, h: int, sq: int, sk: int) -> np.ndarray:
 def _logits(qh, kh, scale, softcap=0.0, alibi_slopes=None, attn_bias=None):
     """Logits ``[B, H, Sq, Sk]`` (natural log) and their derivative with respect to ``scale · q·k`` (softcap's
     ``1 - tanh²``, else 1). ALiBi and the bias are added after the softcap."""
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0 (0: off), got {softcap}")
     s = np.einsum("bhid,bhjd->bhij", qh, kh) * scale
     ds_dqk = 1.0
     if softcap > 0:
@@ -274,6 +285,8 @@ def online_softmax(x, block: int = 64) -> np.ndarray:
     array([0.09  , 0.2447, 0.6652])
     """
     x = _f64(x)
+    if x.ndim != 1 or block < 1:
+        raise ValueError(f"online_softmax takes one row (1-D) and a block >= 1, got shape {x.shape} and block {block}")
     m, l = -np.inf, 0.0
     for start in range(0, x.shape[0], block):
         blk = x[start : start + block]
@@ -289,6 +302,8 @@ def online_attention(q, k, v, *, causal=False, softmax_scale=None, block: int = 
     Carries the running max ``m``, normaliser ``l`` and unnormalised output ``acc``; when a block raises the max,
     earlier partial sums are rescaled by ``exp(m_old - m_new)``. Equals ``naive_attention`` up to reassociation.
     """
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be an int >= 1, got {block!r}")
     qh, kh, vh, _ = _heads_first(q, k, v)
     b, h, sq, _ = qh.shape
     sk = kh.shape[2]
@@ -373,6 +388,14 @@ def kvcache_attention(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens, blo
     table = None if block_table is None else _ints(block_table)
     new = 0 if k is None else k.shape[1]
     page_size = k_cache.shape[1]
+    capacity = page_size * (1 if table is None else table.shape[1])
+    if (lens < 0).any() or (lens + new > capacity).any():
+        raise ValueError(f"cache_seqlens + the {new} new tokens must lie in [0, {capacity}], got {lens.tolist()}")
+    for i in range(b if table is not None else 0):  # the pages a sequence reads or writes
+        used = table[i, : -(-(lens[i] + new) // page_size)]
+        if ((used < 0) | (used >= k_cache.shape[0])).any():
+            raise ValueError(f"block_table[{i}]'s pages in use must lie in [0, {k_cache.shape[0]}), got "
+                             f"{used.tolist()}")
 
     def where(i, positions):  # index of tokens ``positions`` of sequence i in the cache's first two dims
         if table is None:

@@ -222,3 +222,24 @@ def test_packed_variants_refuse_a_bad_pack_naming_it(call, packed, layout):
         call(packed)
     with pytest.raises(TypeError, match=rf"^{layout} must be a torch.Tensor"):
         call([packed])
+
+
+def test_return_attn_probs_is_a_bool_like_every_flag():
+    q, k, v = (torch.randn(1, 3, 2, 16) for _ in range(3))
+    for call in (lambda: FA.flash_attn_func(q, k, v, return_attn_probs=1),
+                 lambda: FA.flash_attn_varlen_func(q[0], k[0], v[0], *(torch.tensor([0, 3], dtype=torch.int32),) * 2,
+                                                   3, 3, return_attn_probs="yes")):
+        with pytest.raises(TypeError, match="return_attn_probs"):
+            call()
+
+
+def test_with_kvcache_without_seqlens_checks_what_it_reads_for_the_length():
+    """``cache_seqlens=None`` reads the cache's (and block table's) length: a bad one is named, not indexed."""
+    q = torch.randn(2, 1, 2, 16)
+    with pytest.raises(TypeError, match="k_cache"):
+        FA.flash_attn_with_kvcache(q, [1], torch.randn(2, 8, 1, 16))
+    with pytest.raises(ValueError, match="k_cache"):
+        FA.flash_attn_with_kvcache(q, torch.randn(8, 1, 16), torch.randn(2, 8, 1, 16))
+    with pytest.raises(ValueError, match="block_table"):
+        FA.flash_attn_with_kvcache(q, torch.randn(4, 16, 1, 16), torch.randn(4, 16, 1, 16),
+                                   block_table=torch.tensor([0, 1, 2, 3], dtype=torch.int32))

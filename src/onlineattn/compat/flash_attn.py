@@ -22,6 +22,7 @@ import inspect
 
 import torch
 
+from .. import _validate as V
 from .. import api
 
 
@@ -87,6 +88,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
         >>> out.shape, lse.shape, probs
         (torch.Size([2, 6, 4, 32]), torch.Size([2, 4, 6]), None)
     """
+    return_attn_probs = V.check_bool("return_attn_probs", return_attn_probs)
     kwargs = _attention_keywords(dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes)
     return _returned(api.attention(q, k, v, deterministic=deterministic, return_lse=True, **kwargs), return_attn_probs)
 
@@ -170,6 +172,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         >>> flash_attn.flash_attn_varlen_func(q, k, v, cu, cu, 7, 7, causal=True).shape
         torch.Size([10, 4, 16])
     """
+    return_attn_probs = V.check_bool("return_attn_probs", return_attn_probs)
     varlen = _attention_varlen()
     kwargs = dict(causal=causal, softmax_scale=softmax_scale, deterministic=deterministic, return_lse=True)
     kwargs |= _keywords(varlen, dropout_p=(dropout_p, 0.0), window_size=(window_size, (-1, -1)),
@@ -257,6 +260,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if k is not None:
             raise ValueError("cache_seqlens=None means the caches are full, so there is no room for new k and v: pass "
                              "cache_seqlens")
+        V.check_tensor("k_cache", k_cache, ndim=4)  # read for the full length: checked before it is read
+        if block_table is not None:
+            V.check_tensor("block_table", block_table, ndim=2, dtypes=None)
         cache_seqlens = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
     return api.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
                                       causal=causal, softmax_scale=softmax_scale, num_splits=num_splits,

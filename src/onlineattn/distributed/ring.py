@@ -321,6 +321,7 @@ def ring_attention(
     _check_agreement(ring, (dims.batch, dims.seqlen_q, dims.heads_q, dims.heads_kv, dims.head_dim, dims.head_dim_v,
                             V.FLOAT_DTYPES.index(q_local.dtype), LAYOUTS.index(layout), causal, scale))
     # Contiguous K/V: they are sent as they are. The copy (if any) is part of the autograd graph.
+    q_local, scale = V.positive_scale(q_local, scale)  # the kernels' need, on every rank alike
     o, lse = _RingAttention.apply(q_local, k_local.contiguous(), v_local.contiguous(), scale, causal, layout, ring,
                                   bool(_overlap))
     return (o, lse) if return_lse else o
