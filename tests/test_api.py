@@ -367,3 +367,32 @@ def test_kvcache_non_positive_scales_match_the_oracle(backend, scale):
     exact = R.kvcache_attention(q, k_cache, v_cache, cache_seqlens=lens, softmax_scale=scale)
     R.assert_within_rule("o", o, exact[0])
     R.assert_within_rule("lse", lse, exact[1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("variant", ["window", "softcap", "alibi", "sinks", "bias", "all"])
+def test_negative_scale_with_score_variants_matches_the_oracle(backend, variant):
+    """A negative scale through every score variant (each scales the scores before its max, but the row max of the
+    masked keys once gave NaN too): o, lse and every gradient, the bias's and the sinks' included."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # CPU: through the interpreter
+    gen = torch.Generator().manual_seed(23)
+    q, k, v = (x.to(device) for x in _qkv(gen, sq=9, sk=13))
+    do = torch.randn(q.shape[:3] + v.shape[3:], generator=gen).to(device)
+    extra = {"window": dict(window_size=(3, 1)), "softcap": dict(softcap=5.0),
+             "alibi": dict(alibi_slopes=torch.rand(4, generator=gen).to(device)),
+             "sinks": dict(sinks=torch.randn(4, generator=gen).to(device).requires_grad_()),
+             "bias": dict(attn_bias=torch.randn(1, 4, 9, 13, generator=gen).to(device).requires_grad_())}
+    every = {name: value for part in extra.values() for name, value in part.items()}
+    kw = every if variant == "all" else extra[variant]
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    o, lse = onlineattn.attention(*leaves, causal=True, softmax_scale=-0.3, return_lse=True, backend=backend, **kw)
+    wrt = leaves + [kw[name] for name in ("attn_bias", "sinks") if name in kw]
+    grads = torch.autograd.grad(o, wrt, do)
+    exact_o, exact_lse = R.naive_attention(q, k, v, causal=True, softmax_scale=-0.3, return_lse=True, **kw)
+    R.assert_within_rule("o", o, exact_o)
+    R.assert_within_rule("lse", lse, exact_lse)
+    exact = R.naive_attention_grads(q, k, v, do, causal=True, softmax_scale=-0.3, **kw)
+    names = ["dq", "dk", "dv"] + [{"attn_bias": "dbias", "sinks": "dsinks"}[n] for n in ("attn_bias", "sinks")
+                                  if n in kw]
+    for name, got in zip(names, grads):
+        R.assert_within_rule(name, got, exact[name])

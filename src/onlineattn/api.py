@@ -81,7 +81,7 @@ def attention(
         k: ``[batch, seqlen_k, heads_kv, head_dim]``; ``heads_q % heads_kv == 0`` (GQA/MQA).
         v: ``[batch, seqlen_k, heads_kv, head_dim_v]``.
         causal: bottom-right aligned: query i sees key j when ``j <= i + seqlen_k - seqlen_q``.
-        softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        softmax_scale: defaults to ``1 / sqrt(head_dim)``; any sign, 0 included (README: Semantics).
         window_size: ``(left, right)``: query i sees keys ``i + Sk - Sq - left ... i + Sk - Sq + right``; -1 leaves a
             side unbounded; ``causal`` sets ``right = 0`` (flash-attn's meaning). Blocks outside are skipped.
         softcap: when > 0, scores become ``softcap · tanh(scores / softcap)`` (before ALiBi, bias and masking).
@@ -333,7 +333,7 @@ def attention_with_kvcache(
             at slot ``t % page_size``.
         causal: bottom-right aligned over the ``cache_seqlens[b] + seqlen_new`` visible tokens: query i sees token j
             when ``j <= i + cache_seqlens[b] + seqlen_new - seqlen_q``. With ``seqlen_q = 1`` it sees them all.
-        softmax_scale: defaults to ``1 / sqrt(head_dim)``.
+        softmax_scale: defaults to ``1 / sqrt(head_dim)``; any sign, 0 included (README: Semantics).
         num_splits: key chunks per (sequence, kv head) processed in parallel and merged (split-KV); 0 chooses from the
             batch, the heads, the cache length and the GPU's SM count. The torch path computes without splitting.
         return_lse: also return the log-sum-exp (natural log).
@@ -359,7 +359,7 @@ def attention_with_kvcache(
         >>> torch.equal(k_cache[0, 10], k[0, 0]) and torch.equal(k_cache[1, 3], k[1, 0])
         True
     """
-    for name, value, default in (("window_size", window_size, (-1, -1)), ("softcap", softcap, 0.0),
+    for name, value, default in (("window_size", V.check_window(window_size), (-1, -1)), ("softcap", softcap, 0.0),
                                  ("alibi_slopes", alibi_slopes, None)):
         V.check_unsupported(name, value, default, "by attention_with_kvcache (decoding has no score variants); "
                             "attention() takes it over the cached keys")

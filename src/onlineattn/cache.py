@@ -56,9 +56,10 @@ class _Buffers:
             device = None if device is None else torch.device(device)
         except RuntimeError as error:
             raise ValueError(f"device must name a torch device, got {device!r} ({error})") from None
-        if device is not None and device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"device {device} is not available: this process sees {torch.cuda.device_count()} CUDA "
-                             f"devices")
+        try:  # a device this build or machine lacks (torch raises AssertionError, RuntimeError, NotImplementedError)
+            torch.empty(0, device=device)
+        except (AssertionError, RuntimeError, NotImplementedError) as error:
+            raise ValueError(f"device {device} is not available here: {error}") from None
         self.k = torch.zeros((*lead, heads_kv, head_dim), dtype=dtype, device=device)
         self.v = torch.zeros((*lead, heads_kv, self.head_dim_v), dtype=dtype, device=device)
 

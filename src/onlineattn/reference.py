@@ -48,15 +48,20 @@ def _f64(x) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
 def visible_mask(sq: int, sk: int, causal: bool, window_size=(-1, -1)) -> np.ndarray:
     """Boolean ``[Sq, Sk]``: True where query i may attend key j.
 
     Bottom-right aligned: with ``diag = Sk - Sq``, query i sees key j when ``i + diag - left <= j <= i + diag + right``
     for ``window_size = (left, right)``, where -1 leaves that side unbounded and ``causal`` sets ``right = 0``.
     """
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or not all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) and x >= -1 for x in window_size)):
-        raise ValueError(f"window_size must be a pair of ints, each -1 (unbounded) or >= 0, got {window_size!r}")
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2 or not all(map(_is_int, window_size)):
+        raise TypeError(f"window_size must be a pair of ints, got {window_size!r}")
+    if min(window_size) < -1:
+        raise ValueError(f"window_size's sides must be -1 (unbounded) or >= 0, got {window_size!r}")
     left, right = window_size
     if causal:
         right = 0
@@ -285,7 +290,7 @@ def online_softmax(x, block: int = 64) -> np.ndarray:
     array([0.09  , 0.2447, 0.6652])
     """
     x = _f64(x)
-    if x.ndim != 1 or block < 1:
+    if x.ndim != 1 or not _is_int(block) or block < 1:
         raise ValueError(f"online_softmax takes one row (1-D) and a block >= 1, got shape {x.shape} and block {block}")
     m, l = -np.inf, 0.0
     for start in range(0, x.shape[0], block):
@@ -302,7 +307,7 @@ def online_attention(q, k, v, *, causal=False, softmax_scale=None, block: int = 
     Carries the running max ``m``, normaliser ``l`` and unnormalised output ``acc``; when a block raises the max,
     earlier partial sums are rescaled by ``exp(m_old - m_new)``. Equals ``naive_attention`` up to reassociation.
     """
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    if not _is_int(block) or block < 1:
         raise ValueError(f"block must be an int >= 1, got {block!r}")
     qh, kh, vh, _ = _heads_first(q, k, v)
     b, h, sq, _ = qh.shape

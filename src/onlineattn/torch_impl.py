@@ -21,6 +21,7 @@ import torch
 from . import dropout
 from ._mods import MOD_SCHEMA, PLAIN, UNBOUNDED, Mods, bias_4d
 from ._validate import LOG2E
+
 DEFAULT_BLOCK = 256  # keys per tile: big enough to amortise Python overhead, small enough to keep temporaries O(N)
 # Query rows per tile, tuned on a 2-core CPU against SDPA: larger tiles waste more work on the causal diagonal,
 # smaller ones pay more per-call overhead. The backward holds two tiles (P and dP) but runs more matmuls per tile.

@@ -314,6 +314,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     """
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32; q has dtype {q.dtype}")
+    if not scale > 0:
+        raise ValueError(f"scale: the kernels take scale > 0 (the API passes -q or q · 0 for others), got {scale}")
     # The kernels index the lengths and each block-table row as contiguous: strided views (a column of a larger
     # table, every other length) are copied, both tiny.
     if cache_seqlens.dim() == 1 and cache_seqlens.shape[0] > 1 and cache_seqlens.stride(0) != 1:

@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .._mods import PLAIN, Mods, bias_4d
+from .._validate import FLOAT32_MAX
 from ..torch_impl import FWD_SCHEMA, autograd_formula, fake_forward, plain_eager, save_for_backward
 from . import _launch as launch_cache
 
@@ -291,6 +292,9 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
     """
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32; q has dtype {q.dtype}")
+    if not scale > 0:
+        raise ValueError(f"scale: the kernels take scale > 0 (their row max precedes the scaling; the API passes -q "
+                         f"or q · 0 for others, _validate.positive_scale), got {scale}")
     q, k, v = (_last_dim_contiguous(x) for x in (q, k, v))
     hq, hkv, dv = q.shape[-2], k.shape[-2], v.shape[-1]
     rows = q.shape[:-2]  # (B, Sq), or (total_q,) packed
@@ -361,11 +365,13 @@ def variant_args(mods: Mods, causal: bool, scale: float, b: int, hq: int, sq: in
         bias = bias_4d(bias).expand(b, hq, sq, sk)
         bias_strides = bias.stride()
     softcap = mods.softcap
+    # scale / softcap past float32 is inf, and a score of 0 then gives 0 · inf = NaN; tanh saturated long before
+    softcap_in = min(scale / softcap, FLOAT32_MAX) if softcap else 0.0
     return dict(
         CU_Q=cu_q, CU_K=cu_k, SLOPES=slopes, BIAS=bias, SINKS=sinks, RNG=mods.rng,
         stride_sb=stride_sb, stride_bb=bias_strides[0], stride_bh=bias_strides[1], stride_bi=bias_strides[2],
         stride_bj=bias_strides[3], window_left=band[0] if band else 0, window_right=band[1] if band else 0,
-        softcap_in=scale / softcap if softcap else 0.0, softcap_out=softcap * LOG2E, dropout_p=mods.dropout_p,
+        softcap_in=softcap_in, softcap_out=softcap * LOG2E, dropout_p=mods.dropout_p,
         batch0=mods.batch0, VARLEN=mods.varlen, WINDOW=band is not None, SOFTCAP=softcap > 0,
         ALIBI=slopes is not None, HAS_BIAS=bias is not None, SINK=mods.sinks is not None, DROPOUT=mods.dropout,
     )
