@@ -359,7 +359,9 @@ def attention_with_kvcache(
         >>> torch.equal(k_cache[0, 10], k[0, 0]) and torch.equal(k_cache[1, 3], k[1, 0])
         True
     """
-    for name, value, default in (("window_size", V.check_window(window_size), (-1, -1)), ("softcap", softcap, 0.0),
+    if not (type(window_size) is tuple and window_size == (-1, -1)):  # (off the decoding step's common path)
+        window_size = V.check_window(window_size)  # sides of 2^30 or more are unbounded too
+    for name, value, default in (("window_size", window_size, (-1, -1)), ("softcap", softcap, 0.0),
                                  ("alibi_slopes", alibi_slopes, None)):
         V.check_unsupported(name, value, default, "by attention_with_kvcache (decoding has no score variants); "
                             "attention() takes it over the cached keys")
