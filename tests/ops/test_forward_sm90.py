@@ -8,15 +8,17 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from tests.ops.test_forward import _check, _check_rows, _inputs, _run_poisoned
 
-from onlineattn._mods import PLAIN
+from onlineattn import reference as R
+from onlineattn._mods import PLAIN, Mods
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import (
     _FWD_WS, _FWD_WS_SHORT, _FWD_WS_WIDE, LAZY_RESCALE_FROM, WS_CAUSAL_PERSISTENT_BELOW, WS_MIN_KEYS, WS_SHORT_KEYS,
-    WS_WIDE_FROM, fwd_config,
+    WS_WIDE_FROM, WS_WINDOW_HEAD_DIMS, fwd_config,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -257,11 +259,7 @@ def test_kernel_compiles_for_sm90():
     partitions' register split, and Q (one buffer, or two: the fifth case, the short tiles), the table's K/V
     stages and an O staging buffer per warpgroup (64 rows by up to 128 columns each) within shared memory; the
     wide tiles' consumers get 160 registers (``setmaxnreg`` in the PTX, beside the default partition's 168)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT / "src")
-    out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = _compiled(_COMPILE)
     lines = out.stdout.split()
     cases = ((128, "False", 300), (128, "True", 300), (64, "True", 300), (256, "False", 300), (128, "True", 300),
              (128, "True", 301), (64, "True", 301), (64, "False", 300), (128, "True", 300), (64, "True", 301),
@@ -281,6 +279,45 @@ def test_kernel_compiles_for_sm90():
         o_staging = consumers * 64 * min(d, 128) * 2
         q_bytes = int(q_stages) * int(block_m) * d * 2
         assert q_bytes + int(stages) * 2 * int(block_n) * d * 2 + o_staging <= int(shared) <= 227 * 1024
+
+
+def _compiled(script: str) -> subprocess.CompletedProcess:
+    """Run a compile-only script (``{bench}``: the benchmarks folder) without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT / "src")
+    out = subprocess.run([sys.executable, "-c", script.format(bench=str(ROOT / "benchmarks"))], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+_COMPILE_WINDOW = """
+import sys, torch, triton
+sys.path.insert(0, {bench!r})
+from probe_launch import Sm90NoLaunch
+triton.runtime.driver.set_active(Sm90NoLaunch())
+from onlineattn.ops import forward_sm90
+from onlineattn.ops._configs import _FWD_WS, _FWD_WS_WIDE
+for d, causal, band, cfg in ((128, True, (37, 0), _FWD_WS[True][128]), (128, False, (300, 77), _FWD_WS[True][128]),
+                             (64, False, (64, 2**30), _FWD_WS_WIDE[True])):
+    q = torch.randn(2, 300, 8, d, dtype=torch.bfloat16)
+    k = torch.randn(2, 300, 2, d, dtype=torch.bfloat16)
+    o, lse = torch.empty_like(q), torch.empty(2, 8, 300)
+    compiled = []
+    run = forward_sm90.attention_fwd_sm90_kernel.run
+    forward_sm90.attention_fwd_sm90_kernel.run = lambda *a, **kw: compiled.append(run(*a, **{{**kw, "warmup": True}}))
+    forward_sm90.launch(q, k, k, o, lse, 0.1, causal, cfg, band=band)
+    forward_sm90.attention_fwd_sm90_kernel.run = run
+    print(d, compiled[0].asm["ptx"].count("wgmma.mma_async"))
+"""
+
+
+def test_window_kernel_compiles_for_sm90():
+    """A window compiles for sm_90 as a causal launch: the same matmul sites as ``test_kernel_compiles_for_sm90``'s
+    causal cases (8 x (8 + 8) at d = 128, plus warpgroup 0's half-width diagonal (24) where a causal window's
+    diagonal falls on a block boundary, none where a window's right side moves it; d = 64's 192-row tile 12 x
+    (4 + 8))."""
+    assert _compiled(_COMPILE_WINDOW).stdout.split() == ["128", "152", "128", "128", "64", "144"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -488,25 +525,33 @@ def test_programs_balance_the_causal_laps():
     for case in ((777, 333, 1000, True, 128, 64, 132), (300, 1024, 1024, True, 128, 128, 132),
                  (500, 700, 300, True, 128, 128, 60), (1000, 4096, 4096, False, 128, 128, 132)):
         assert programs(*case) == _busiest_least(*case), case
+    # windows (launched causal): the tiles past the first window's rows all cost the same
+    for case in ((777, 333, 1000, True, 128, 64, 132, (100, 0)), (300, 1024, 1024, True, 128, 128, 132, (200, 0)),
+                 (500, 700, 300, True, 128, 128, 60, (37, 2**30)), (1000, 4096, 4096, True, 128, 128, 132, (1023, 0))):
+        assert programs(*case) == _busiest_least(*case), case
 
 
-def _tile_blocks(t, count, num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n, rows=None):
+def _tile_blocks(t, count, num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n, rows=None, band=None):
     """A plain walk of the kernel's tile order (``_tile_coords``, ``count`` programs): tile ``t``'s key blocks, or
-    with ``rows`` (a warpgroup's, from the tile's first row) those they see (``_own_blocks``)."""
+    with ``rows`` (a warpgroup's, from the tile's first row) those they see (``_own_blocks``). ``band``: a window's
+    (left, right), launched causal: the blocks start at the tile's first row's left edge (``_key0``)."""
     lap = t // count
     if lap % 2 == 1 and (lap + 1) * count <= num_tiles:
         t = lap * count + count - 1 - t % count
     num_m = -(-seqlen_q // block_m)
     pid_m = num_m - 1 - t % num_m if causal else t % num_m
-    seen = lambda end: max(-(-min(seqlen_k, end + seqlen_k - seqlen_q) // block_n) if causal else  # noqa: E731
+    left, right = band or (0, 0)
+    seen = lambda end: max(-(-min(seqlen_k, end + seqlen_k - seqlen_q + right) // block_n) if causal else  # noqa
                            -(-seqlen_k // block_n), 1)
-    whole = seen(pid_m * block_m + block_m)
-    return whole if rows is None else min(seen(pid_m * block_m + rows), whole)
+    first = max(pid_m * block_m + seqlen_k - seqlen_q - left, 0) // block_n if band else 0
+    whole = seen(pid_m * block_m + block_m) - first
+    return whole if rows is None else min(seen(pid_m * block_m + rows) - first, whole)
 
 
-def _busiest_least(num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n, sms):
+def _busiest_least(num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n, sms, band=None):
     """``programs`` by a plain walk of the kernel's tile order: each program's tiles, lap by lap."""
-    blocks = lambda t, count: _tile_blocks(t, count, num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n)  # noqa
+    blocks = lambda t, count: _tile_blocks(t, count, num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n,  # noqa
+                                           band=band)
     best = None
     for count in range(sms, 3 * sms // 4 - 1, -1):
         busiest = max(sum(blocks(t, count) + 1 for t in range(p, num_tiles, count)) for p in range(count))
@@ -697,3 +742,148 @@ def test_other_head_dims_are_refused(d):
     assert not F.ws_ok(q, k, v, 0.1, PLAIN)
     with pytest.raises(ValueError, match="config"):
         F.forward(q, k, v, 0.1, False, config=_FWD_WS[False][128])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sliding windows: the kernel runs a window (its only variant) as a causal launch whose diagonal moves right by the
+# window's right side, from the key block of each tile's first row's left edge.
+
+WINDOWS = [  # (left, right); a causal call folds right to 0 (Mods.band)
+    (0, 0),  # causal: the diagonal key alone
+    (37, 0),
+    (128, 0),  # a left edge on a block boundary where Sq = Sk
+    (300, 77),
+    (64, -1),  # left side only
+    (-1, 45),  # right side only
+]
+
+
+def test_table_routes_a_window_as_causal():
+    """A window as the only variant takes the causal call's Hopper tile at d = 128 and 256 (``WS_WINDOW_HEAD_DIMS``),
+    persistent and lazy as a causal call of the window's span; d = 64 windows, calls with other variants, and calls
+    ``ws_ok`` refuses take the Triton tiles as before (``Mods.band_only`` says which calls are windows alone)."""
+    for d in (64, 128, 256):
+        for causal in (False, True):
+            for n in (700, 4096, 16384):
+                at = lambda **kw: fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=n, seqlen_k=n,  # noqa
+                                             variants=True, **kw)
+                plain = fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=n, seqlen_k=n, ws_ok=True)
+                for span in (128, 1024, 4096):
+                    if d not in WS_WINDOW_HEAD_DIMS:
+                        assert at(ws_ok=True, window=span) == at() and not at().gluon
+                        continue
+                    assert at(ws_ok=True, window=span) == replace(
+                        plain, persistent=span < WS_CAUSAL_PERSISTENT_BELOW[d],
+                        lazy_rescale=span >= LAZY_RESCALE_FROM[d, True]) and plain.gluon
+                assert at(ws_ok=True) == at() == at(window=1024) and not at().gluon
+    at = lambda span: fwd_config(128, 128, torch.bfloat16, True, "cuda", seqlen_q=16384, seqlen_k=16384,  # noqa
+                                 variants=True, ws_ok=True, window=span)
+    assert (at(1024).persistent, at(1024).lazy_rescale, at(4096).lazy_rescale) == (True, False, True)
+    assert Mods(window_left=5).band_only and Mods(window_right=0).band_only
+    assert not PLAIN.band_only and not Mods(window_left=5, softcap=2.0).band_only
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    assert not Mods(window_left=5, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3, max_seqlen_k=3).band_only
+
+
+def test_window_tiles_compute_every_visible_key():
+    """By a walk of the kernel's tile arithmetic (``_tile_blocks``, as ``_tile_coords``, ``_key0`` and
+    ``_own_blocks`` compute it) over windows and lengths: each warpgroup's blocks hold every key its rows see, at
+    least one block, and at most one block fewer than its tile (``_skip``'s bound); and every block lies in the
+    keys (the producer loads nothing past Sk or before 0)."""
+    for block_m, block_n in ((128, 128), (128, 64), (192, 128)):
+        for sq in (1, 63, 64, 129, 300, 700):
+            for sk in (1, 40, 128, 300, 701):
+                for window in WINDOWS + [(5, 3), (2000, 0), (0, 2000)]:
+                    for causal in (False, True):
+                        band = Mods(window_left=window[0], window_right=window[1]).band(causal)
+                        visible = R.visible_mask(sq, sk, causal, band_window(band))
+                        num_m = -(-sq // block_m)
+                        for t in range(num_m):
+                            m0 = (num_m - 1 - t) * block_m
+                            first = max(m0 + sk - sq - band[0], 0) // block_n
+                            whole = _tile_blocks(t, num_m, num_m, sq, sk, True, block_m, block_n, band=band)
+                            assert 1 <= whole and first + whole <= max(-(-sk // block_n), 1)
+                            for wg in range(block_m // 64):
+                                own = _tile_blocks(t, num_m, num_m, sq, sk, True, block_m, block_n, 64 * wg + 64,
+                                                   band)
+                                assert 1 <= own <= whole <= own + 1
+                                rows = visible[m0 + 64 * wg: m0 + 64 * wg + 64]
+                                keys = np.flatnonzero(rows.any(axis=0))
+                                assert not len(keys) or (first * block_n <= keys.min()
+                                                         and keys.max() < (first + own) * block_n)
+
+
+def band_window(band):
+    """``Mods.band``'s (left, right) as ``window_size`` (2^30: unbounded, -1)."""
+    return tuple(-1 if side >= 2**30 else side for side in band)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_window_matches_oracle(shape, persistent, window, causal, d, monkeypatch):
+    """The causal table tile under a window, one program per tile or 3 persistent programs handing many tiles over:
+    key blocks from each tile's first row's left edge, the left edge masked where a block crosses it, rows that see
+    no key (Sq > Sk), warpgroups whose first block holds no key they see, HALF_DIAG shapes (causal)."""
+    monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
+    monkeypatch.setattr(F, "_STEPS", {})  # no kept launch of another grid
+    b, sq, sk, hq, hkv = shape
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, torch.bfloat16, seed=sum(shape) + causal + d + sum(window),
+                      device="cuda")
+    o, lse = _run_poisoned(q, k, v, causal, config=replace(_FWD_WS[True][d], persistent=persistent), window=window)
+    _check(q, k, v, causal, o, lse, window=window)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("kind", ["short", "wide", "lazy", "early-p-flipped"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("window", [(37, 0), (128, 0), (300, 77)], ids=str)
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
+def test_window_tile_kinds_match_oracle(shape, window, dtype, kind, monkeypatch):
+    """The table's other causal tiles under a window, over 3 persistent programs: the short tile (64-key blocks,
+    four stages, two Q buffers, d = 128), d = 64's 192-row tile (three warpgroups), lazy rescaling (d = 128) and
+    ``early_p`` the other way (d = 256)."""
+    monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
+    monkeypatch.setattr(F, "_STEPS", {})
+    d = {"short": 128, "wide": 64, "lazy": 128, "early-p-flipped": 256}[kind]
+    cfg = {"short": _FWD_WS_SHORT[128, True], "wide": _FWD_WS_WIDE[True],
+           "lazy": replace(_FWD_WS[True][128], lazy_rescale=True),
+           "early-p-flipped": replace(_FWD_WS[True][256], early_p=False)}[kind]
+    b, sq, sk, hq, hkv = shape
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, dtype, seed=sum(shape) + d + sum(window), device="cuda")
+    o, lse = _run_poisoned(q, k, v, True, config=replace(cfg, persistent=True), window=window)
+    _check(q, k, v, True, o, lse, window=window)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_window_calls_take_the_hopper_kernel_at_its_head_dims(causal, d, monkeypatch):
+    """Through the table: a window as the only variant launches the Hopper kernel with its band at d = 128 and 256
+    (``WS_WINDOW_HEAD_DIMS``) and the Triton kernel at d = 64; either meets the rule, and the backward (the Triton
+    kernels: the Hopper dK/dV kernel has no window) too."""
+    import onlineattn
+    bands = []
+    launch = F.forward_sm90.launch
+    monkeypatch.setattr(F.forward_sm90, "launch", lambda *a, band=None, **kw: bands.append(band) or launch(
+        *a, band=band, **kw))
+    monkeypatch.setattr(F, "_STEPS", {})
+    q, k, v = _inputs(2, 1100, 1300, 4, 2, d, d, torch.bfloat16, seed=d + causal, device="cuda")
+    window = (255, 40)
+    o, lse = _run_poisoned(q, k, v, causal, window=window)
+    _check(q, k, v, causal, o, lse, window=window)
+    assert bands == ([(255, 0 if causal else 40)] if d in WS_WINDOW_HEAD_DIMS else [])
+    do = torch.randn_like(q)
+    ours, base = ((x.detach().clone().requires_grad_() for x in (q, k, v)) for _ in range(2))
+    ours, base = tuple(ours), tuple(base)
+    onlineattn.attention(*ours, causal=causal, window_size=window).backward(do)
+    R.torch_math_attention(*base, causal=causal, window_size=window)[0].backward(do)
+    exact = R.naive_attention_grads(q, k, v, do, causal=causal, window_size=window)
+    for name, x, b in zip(("dq", "dk", "dv"), ours, base):
+        R.assert_within_rule(name, x.grad, exact[name], b.grad, "bfloat16")

@@ -208,6 +208,15 @@ LAZY_RESCALE_FROM = {(128, True): 4096, (256, False): 1024, (256, True): 4096}
 #     and below it the table's tile led (2048: 367-369 | 358-359 against 392-393 | 376).
 #   So d = 64 takes them from WS_WIDE_FROM rows and keys (per mask), before the rules above.
 WS_WIDE_FROM = {(64, False): 2048, (64, True): 8192}
+# - Sliding windows (session 41, NOTES v33, .devrun/win41.py: cold do_bench, two passes, causal window W at N = 16384,
+#   B = 1, H = 2048 / d, band TFLOP/s against the Triton kernel's, which ran every window before): d = 128 W = 1024
+#   persistent 466-470 (per tile 429-436, lazy 463-466) against 371-384; W = 128 137-138 against 123; W = 4096
+#   persistent lazy 560-571 (per tile lazy 560-575, not lazy 537-553) against 443-461; N = 4096 W = 1024 387-388
+#   against 339-340; d = 256 W = 1024 509-513 against 326. d = 64's 192-row tile lost (277-302 against 321-323 at
+#   W = 1024), and its 128-row tile was not measured: d = 64 windows keep the Triton kernel. So windows take the
+#   Hopper kernel at d = 128 and 256 (where the plain causal call would), scheduled by the window's span: persistent
+#   below WS_CAUSAL_PERSISTENT_BELOW, lazy from LAZY_RESCALE_FROM, as a causal call of that length.
+WS_WINDOW_HEAD_DIMS = (128, 256)
 _FWD_WS_WIDE = {False: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, persistent=True, q_stages=2, early_p=True),
                 True: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, early_p=True)}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or with Sq <= 512 where the
@@ -232,29 +241,49 @@ def _padded(d: int) -> int:
 
 def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool, device_type: str, *,
                seqlen_q: int | None = None, seqlen_k: int | None = None, variants: bool = False,
-               tma_ok: bool = True, ws_ok: bool = False) -> FwdConfig:
+               tma_ok: bool = True, ws_ok: bool = False, window: int = 0) -> FwdConfig:
     """The tile for a launch. ``seqlen_q``/``seqlen_k``: query rows / keys per sequence (None: unknown); ``variants``:
     any score variant flag is on; ``tma_ok``: K and V can go through tensor descriptors (aligned strides, not packed
-    varlen); ``ws_ok``: the warp-specialized Hopper kernel can run this launch (``forward.ws_ok``)."""
+    varlen); ``ws_ok``: the warp-specialized Hopper kernel can run this launch (``forward.ws_ok``); ``window``: where
+    the one variant is a sliding window (``Mods.band_only``), the keys a row's window spans (at most Sk), else 0.
+    The Hopper kernel runs such windows as causal launches at the head dims of ``WS_WINDOW_HEAD_DIMS``."""
     if device_type != "cuda":
         return _INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
     if dtype == torch.float32:
         return _FWD_FP32[padded]
-    ws = _FWD_WS[causal].get(head_dim) if ws_ok and head_dim == head_dim_v and not variants else None
+    ws = None
+    if ws_ok and head_dim == head_dim_v and (not variants or (window and head_dim in WS_WINDOW_HEAD_DIMS)):
+        ws = _ws_config(head_dim, causal or bool(window), seqlen_q, seqlen_k)
+        if ws is not None and window:  # every tile spans about the window's keys: scheduled as causal at that length
+            lazy_from = LAZY_RESCALE_FROM.get((head_dim, True), window + 1)
+            ws = replace(ws, persistent=window < WS_CAUSAL_PERSISTENT_BELOW[head_dim], lazy_rescale=window >= lazy_from)
+    return ws or _triton_config(padded, causal, seqlen_q, seqlen_k, variants, tma_ok)
+
+
+def _ws_config(head_dim: int, causal: bool, seqlen_q: int | None, seqlen_k: int | None) -> FwdConfig | None:
+    """The Hopper kernel's tile for these lengths, or None where the Triton kernel runs (``fwd_config``)."""
+    ws = _FWD_WS[causal].get(head_dim)
+    if ws is None:
+        return None
     shortest, longest = min(seqlen_q or 0, seqlen_k or 0), max(seqlen_q or 0, seqlen_k or 0)
-    if ws is not None and WS_SHORT_KEYS[0] <= shortest and longest < WS_SHORT_KEYS[1] and (
-            (head_dim, causal) in _FWD_WS_SHORT):
+    if WS_SHORT_KEYS[0] <= shortest and longest < WS_SHORT_KEYS[1] and (head_dim, causal) in _FWD_WS_SHORT:
         return _FWD_WS_SHORT[head_dim, causal]
-    if ws is not None and shortest >= WS_WIDE_FROM.get((head_dim, causal), shortest + 1):
+    if shortest >= WS_WIDE_FROM.get((head_dim, causal), shortest + 1):
         return _FWD_WS_WIDE[causal]
-    if ws is not None and shortest >= WS_MIN_KEYS[head_dim][causal]:
+    if shortest >= WS_MIN_KEYS[head_dim][causal]:
         if causal and shortest < WS_CAUSAL_PERSISTENT_BELOW[head_dim]:
             ws = replace(ws, persistent=True)
         lazy_from = LAZY_RESCALE_FROM.get((head_dim, causal))
         if lazy_from is not None and seqlen_k >= lazy_from:
             ws = replace(ws, lazy_rescale=True)
         return ws
+    return None
+
+
+def _triton_config(padded: int, causal: bool, seqlen_q: int | None, seqlen_k: int | None, variants: bool,
+                   tma_ok: bool) -> FwdConfig:
+    """The Triton kernel's tile (``fwd_config``)."""
     if padded == 256 and (variants or not tma_ok or (seqlen_q is not None and seqlen_q <= 512)):
         return _FWD_D256_SMALL
     if padded in _FWD_LONG[causal] and not variants and seqlen_k is not None and seqlen_k >= PIPELINE_MIN_KEYS:

@@ -85,11 +85,12 @@ class Tile:
     PERSISTENT: gl.constexpr  # the dK/dV kernel: programs loop over key blocks (BwdTile.persistent)
     LAZY_RESCALE: gl.constexpr  # the forward: a row keeps its running max until a score passes it by 2^8 (_softmax)
     EARLY_P: gl.constexpr  # the forward: a block's P becomes wgmma's A operand right after its softmax (_step)
+    WINDOW: gl.constexpr  # the forward: a sliding window's left edge bounds the keys too (with CAUSAL: its right)
 
     @gluon.constexpr_function
     def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False, ORDERED=False,
                  Q_STAGES=1, TMA_OUT=False, HALF_DIAG=False, EARLY_DV=False, LAST_BLOCK_FIRST=False,
-                 PERSISTENT=False, LAZY_RESCALE=False, EARLY_P=False):
+                 PERSISTENT=False, LAZY_RESCALE=False, EARLY_P=False, WINDOW=False):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -107,18 +108,22 @@ class Tile:
         self.PERSISTENT = gl.constexpr(PERSISTENT)
         self.LAZY_RESCALE = gl.constexpr(LAZY_RESCALE)
         self.EARLY_P = gl.constexpr(EARLY_P)
+        self.WINDOW = gl.constexpr(WINDOW)
 
 
 @gluon.jit
 def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
-                              seqlen_q, seqlen_k, heads_q, group, qk_scale, num_tiles,
+                              seqlen_q, seqlen_k, heads_q, group, qk_scale, num_tiles, window_left, window_right,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_STAGES: gl.constexpr,
-                              HALF_DIAG: gl.constexpr, LAZY_RESCALE: gl.constexpr, EARLY_P: gl.constexpr):
+                              HALF_DIAG: gl.constexpr, LAZY_RESCALE: gl.constexpr, EARLY_P: gl.constexpr,
+                              WINDOW: gl.constexpr):
     """Programs take tiles ``pid, pid + programs, ...`` of ``num_tiles`` (one each when the grid covers them all).
     With ``HALF_DIAG`` warpgroup 0 takes each tile's diagonal block at half width (``_half_end``); with
     ``LAZY_RESCALE`` rows keep their running max until a score passes it by 2^8 (``_softmax``); with ``EARLY_P``
-    a block's P is converted to wgmma's A operand right after its softmax (``_step``)."""
+    a block's P is converted to wgmma's A operand right after its softmax (``_step``). With ``WINDOW`` (launched
+    ``CAUSAL``) query i sees keys i + diag - window_left .. i + diag + window_right (diag = Sk - Sq): a tile's key
+    blocks start at its first row's left edge (``_key0``)."""
     dtype: gl.constexpr = q_desc.dtype
     CONSUMERS: gl.constexpr = BLOCK_M // 64  # warpgroups, 64 rows each
     gl.static_assert((CONSUMERS == 2) | ((CONSUMERS == 3) & (not HALF_DIAG)), "128 or 192 rows; HALF_DIAG at 128")
@@ -153,10 +158,10 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
     group = gl.to_tensor(group)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
-    shape = (seqlen_q, seqlen_k, heads_q, num_tiles)
+    shape = (seqlen_q, seqlen_k, heads_q, num_tiles, gl.to_tensor(window_left), gl.to_tensor(window_right))
     consumer = smem + shape + (o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale)
     tile = Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES, HALF_DIAG=HALF_DIAG,
-                LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P)
+                LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P, WINDOW=WINDOW)
     producer = (q_desc, k_desc, v_desc) + smem + shape + (group, tile)
     wg0, wg1 = consumer + (tile,), consumer + (_warpgroup(tile, 1),)
     if CONSUMERS == 2:  # (Gluon builds the partition list only from literals)
@@ -170,21 +175,20 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
 def _warpgroup(tile, wg):
     """Consumer warpgroup ``wg``'s copy of warpgroup 0's ``tile`` (``HALF_DIAG`` is warpgroup 0's alone)."""
     return Tile(wg, tile.BLOCK_M, tile.BLOCK_N, tile.HEAD_DIM, tile.STAGES, tile.CAUSAL, Q_STAGES=tile.Q_STAGES,
-                LAZY_RESCALE=tile.LAZY_RESCALE, EARLY_P=tile.EARLY_P)
+                LAZY_RESCALE=tile.LAZY_RESCALE, EARLY_P=tile.EARLY_P, WINDOW=tile.WINDOW)
 
 
 @gluon.jit
-def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile):
-    """Tile ``t`` -> (batch, q head, first row, key blocks). A head's row tiles are adjacent (they share K and V in
-    L2: interleaving the heads instead cost 2-5 % causal at N >= 4096, session 19); under causal they come bottom
-    first (the most key blocks), so within a head the tiles handed out last are the short ones. A program takes
-    ``t = pid, pid + programs, ...`` (laps of ``programs`` tiles); every odd full lap is taken in reverse (a snake),
-    so under causal a program that took a longer tile of one lap takes a shorter one of the next, and ``programs``
-    picks the count whose laps balance best (a length-major order balanced them too but lost more to L2, NOTES v12).
-    A tile whose rows all sit above the causal diagonal (Sq > Sk) still takes key block 0, fully masked: its rows
-    get o = 0 and lse = -inf like any row that sees no key (o is 0 · V there: NaN where that block of V holds inf or
-    NaN, as for any masked key of a computed block; with HALF_DIAG warpgroup 0 multiplies only the block's first 64
-    keys' V)."""
+def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band, tile):
+    """Tile ``t`` -> (batch, q head, first row, key blocks from ``_key0``). A head's row tiles are adjacent (they share
+    K and V in L2: interleaving the heads instead cost 2-5 % causal at N >= 4096, session 19); under causal they come
+    bottom first (the most key blocks), so within a head the tiles handed out last are the short ones. A program takes
+    ``t = pid, pid + programs, ...`` (laps of ``programs`` tiles); every odd full lap is taken in reverse (a snake), so
+    under causal a program that took a longer tile of one lap takes a shorter one of the next, and ``programs`` picks
+    the count whose laps balance best (a length-major order balanced them too but lost more to L2, NOTES v12). A tile
+    whose rows all sit above the causal diagonal (Sq > Sk) still takes key block 0, fully masked: its rows get o = 0 and
+    lse = -inf like any row that sees no key (o is 0 · V there: NaN where that block of V holds inf or NaN, as for any
+    masked key of a computed block; with HALF_DIAG warpgroup 0 multiplies only the block's first 64 keys' V)."""
     t = snake(t, num_tiles)
     num_m = gl.cdiv(seqlen_q, tile.BLOCK_M)
     pid_m = t % num_m
@@ -193,10 +197,31 @@ def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile):
     pid_bh = t // num_m
     m0 = pid_m * tile.BLOCK_M
     hi = seqlen_k
-    if tile.CAUSAL:  # bottom-right diagonal: row i sees keys j <= i + Sk - Sq
-        hi = gl.minimum(seqlen_k, m0 + tile.BLOCK_M + seqlen_k - seqlen_q)
-    n_blocks = gl.maximum(gl.cdiv(hi, tile.BLOCK_N), 1)
+    if tile.CAUSAL:  # bottom-right diagonal: row i sees keys j <= i + Sk - Sq (+ a window's right side)
+        hi = gl.minimum(seqlen_k, m0 + tile.BLOCK_M + seqlen_k - seqlen_q + _right(band, tile))
+    n_blocks = gl.maximum(gl.cdiv(hi, tile.BLOCK_N), 1) - _key0(m0, seqlen_q, seqlen_k, band, tile) // tile.BLOCK_N
     return pid_bh // heads_q, pid_bh % heads_q, m0, n_blocks
+
+
+@gluon.jit
+def _right(band, tile):
+    """How far right of the bottom-right diagonal a row sees under CAUSAL: 0, or under WINDOW the window's right side
+    (``band``: its (left, right))."""
+    right = 0
+    if tile.WINDOW:
+        right = band[1]
+    return right
+
+
+@gluon.jit
+def _key0(m0, seqlen_q, seqlen_k, band, tile):
+    """The first key of the blocks of the tile from row ``m0``: 0, or under WINDOW the start of the block holding
+    the left edge of that row (key m0 + Sk - Sq - left), left of which no row of the tile sees a key. Each
+    warpgroup computes from there (a later warpgroup's rows may see none of that block: it is masked)."""
+    key0 = 0
+    if tile.WINDOW:
+        key0 = gl.maximum(m0 + seqlen_k - seqlen_q - band[0], 0) // tile.BLOCK_N * tile.BLOCK_N
+    return key0
 
 
 @gluon.jit
@@ -211,7 +236,7 @@ def snake(t, num_tiles):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              seqlen_q, seqlen_k, heads_q, num_tiles, group, tile):
+              seqlen_q, seqlen_k, heads_q, num_tiles, window_left, window_right, group, tile):
     """One warp: per tile, Q into the next of ``Q_STAGES`` buffers once every consumer has released its last tile,
     then K_j and V_j into the ring's next stages (``it`` counts blocks across tiles) once every consumer has
     released them."""
@@ -219,10 +244,11 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     STAGES: gl.constexpr = tile.STAGES
     Q_ROWS: gl.constexpr = q_desc.block_type.shape[1]
     Q_BOXES: gl.constexpr = tile.BLOCK_M // Q_ROWS
+    band = (window_left, window_right)
     it = 0
     n = 0  # tiles so far: Q buffer n % Q_STAGES
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_b, off_h, m0, n_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile)
+        off_b, off_h, m0, n_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band, tile)
         slot = n % tile.Q_STAGES
         mbarrier.wait(q_empty.index(slot), ((n // tile.Q_STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         mbarrier.expect(q_ready.index(slot), Q_BOXES * q_desc.block_type.nbytes)
@@ -231,23 +257,25 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                             q_smem.index(slot * Q_BOXES + i))
         n += 1
         off_hkv = off_h // group
+        key0 = _key0(m0, seqlen_q, seqlen_k, band, tile)
         for j in range(n_blocks):
             stage = it % STAGES
             phase = (it // STAGES) & 1
             mbarrier.wait(k_empty.index(stage), phase ^ 1)
             mbarrier.expect(k_ready.index(stage), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [off_b, j * BLOCK_N, off_hkv, 0], k_ready.index(stage),
+            tma.async_copy_global_to_shared(k_desc, [off_b, key0 + j * BLOCK_N, off_hkv, 0], k_ready.index(stage),
                                             k_smem.index(stage))
             mbarrier.wait(v_empty.index(stage), phase ^ 1)
             mbarrier.expect(v_ready.index(stage), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [off_b, j * BLOCK_N, off_hkv, 0], v_ready.index(stage),
+            tma.async_copy_global_to_shared(v_desc, [off_b, key0 + j * BLOCK_N, off_hkv, 0], v_ready.index(stage),
                                             v_smem.index(stage))
             it += 1
 
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              seqlen_q, seqlen_k, heads_q, num_tiles, o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale, tile):
+              seqlen_q, seqlen_k, heads_q, num_tiles, window_left, window_right, o_desc, o_smem, LSE, stride_lb,
+              stride_lh, qk_scale, tile):
     """One warpgroup: per tile, its 64 rows' online softmax over the key blocks they see (``_rest``), then their output
     (by TMA, ``_store_o``) and log-sum-exp. Tiles hand over (``_handover``): the next tile's first QKᵀ is issued
     right after this tile's last P·V and runs under this tile's epilogue, so the tensor cores do not drain between
@@ -258,27 +286,28 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
     o_layout: gl.constexpr = _acc_layout(D)
     rings = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
     out = (o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q)
+    band = (window_left, window_right)
     programs = gl.num_programs(0)
-    off_b, off_h, m0, n_blocks = _tile_coords(gl.program_id(0), seqlen_q, seqlen_k, heads_q, num_tiles, tile)
+    off_b, off_h, m0, n_blocks = _tile_coords(gl.program_id(0), seqlen_q, seqlen_k, heads_q, num_tiles, band, tile)
     row0 = m0 + tile.WG * 64
-    own = _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, tile)
+    own = _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, band, tile)
     it = 0
     n = 0
-    p, m_i, l_i = _first_block(rings, it, n, row0, own, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
+    p, m_i, l_i = _first_block(rings, it, n, row0, own, seqlen_q, seqlen_k, band, qk_scale, tile, s_layout)
     for t in range(gl.program_id(0) + programs, num_tiles, programs):  # t: the next tile
         acc = gl.zeros([64, D], gl.float32, layout=o_layout)
-        p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, own, seqlen_q, seqlen_k, qk_scale,
-                                      tile, s_layout, o_layout)
-        next_b, next_h, next_m0, next_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, tile)
+        p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, own, seqlen_q, seqlen_k, band,
+                                      qk_scale, tile, s_layout, o_layout)
+        next_b, next_h, next_m0, next_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band, tile)
         next_row0 = next_m0 + tile.WG * 64
-        next_own = _own_blocks(next_row0, next_blocks, seqlen_q, seqlen_k, tile)
+        next_own = _own_blocks(next_row0, next_blocks, seqlen_q, seqlen_k, band, tile)
         p, m_i, l_i = _handover(rings, out, p_last, m_i, l_i, acc, it + own - 1, it + n_blocks, n + 1, off_b, off_h,
-                                row0, next_row0, next_own, seqlen_k, qk_scale, tile, s_layout, o_layout)
+                                row0, next_row0, next_own, seqlen_k, band, qk_scale, tile, s_layout, o_layout)
         it += n_blocks
         n += 1
         off_b, off_h, row0, n_blocks, own = next_b, next_h, next_row0, next_blocks, next_own
     acc = gl.zeros([64, D], gl.float32, layout=o_layout)
-    p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, own, seqlen_q, seqlen_k, qk_scale,
+    p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, own, seqlen_q, seqlen_k, band, qk_scale,
                                   tile, s_layout, o_layout)
     acc, p_op = _last_pv(rings, p_last, acc, it + own - 1, tile)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
@@ -288,7 +317,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
 
 
 @gluon.jit
-def _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, tile):
+def _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, band, tile):
     """How many of its tile's ``n_blocks`` key blocks this warpgroup's 64 rows (from ``row0``) see. Under causal
     masking a warpgroup's rows can end before the tile's last block starts (64-key blocks, a diagonal off the
     block boundaries, or the first two warpgroups of a 192-row tile): it then does not compute that block, fully
@@ -298,8 +327,9 @@ def _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, tile):
     128-key blocks in 192-row tiles (``launch`` takes no others)."""
     own = n_blocks
     if tile.CAUSAL:
-        hi = gl.minimum(seqlen_k, row0 + 64 + seqlen_k - seqlen_q)
-        own = gl.minimum(gl.maximum(gl.cdiv(hi, tile.BLOCK_N), 1), n_blocks)
+        hi = gl.minimum(seqlen_k, row0 + 64 + seqlen_k - seqlen_q + _right(band, tile))
+        first = _key0(row0 - tile.WG * 64, seqlen_q, seqlen_k, band, tile) // tile.BLOCK_N
+        own = gl.minimum(gl.maximum(gl.cdiv(hi, tile.BLOCK_N), 1) - first, n_blocks)
     return own
 
 
@@ -321,47 +351,48 @@ def _skip(rings, first, end, tile):
 
 
 @gluon.jit
-def _first_block(rings, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout: gl.constexpr):
+def _first_block(rings, it, n, row0, n_blocks, seqlen_q, seqlen_k, band, qk_scale, tile, s_layout: gl.constexpr):
     """A program's first tile: wait for its Q and first K block, run QKᵀ and the block's softmax from an empty state.
     Returns (p, m, l); P·V follows in ``_rest`` or the hand-over."""
     s = _first_qk(rings, n, it, tile, s_layout)
-    return _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
+    return _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, band, qk_scale, tile, s_layout)
 
 
 @gluon.jit
-def _rest(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile,
+def _rest(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, band, qk_scale, tile,
           s_layout: gl.constexpr, o_layout: gl.constexpr):
     """A tile's blocks after its first, done up to the last one's softmax: ``_blocks``, or for warpgroup 0 with
     HALF_DIAG ``_half_end``. Returns (the last block's P, m, l, acc): P as ``_last_pv`` takes it."""
     if tile.HALF_DIAG and tile.WG == 0:
-        p, m_i, l_i, acc = _half_end(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale,
-                                     tile, s_layout, o_layout)
+        p, m_i, l_i, acc = _half_end(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, band,
+                                     qk_scale, tile, s_layout, o_layout)
     else:
-        p, m_i, l_i, acc = _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale,
-                                   tile, s_layout, o_layout, True)
+        p, m_i, l_i, acc = _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, band,
+                                   qk_scale, tile, s_layout, o_layout, True)
     return p, m_i, l_i, acc
 
 
 @gluon.jit
-def _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile,
+def _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, band, qk_scale, tile,
             s_layout: gl.constexpr, o_layout: gl.constexpr, LAST_QK: gl.constexpr):
     """Key blocks 1 .. n_blocks - 1 of a tile whose block 0 is done up to its softmax (``p``; the tile's blocks are
     the ring's ``it``, ``it + 1``, ..., its Q buffer the run's ``n``-th), one ``_step`` each. With ``LAST_QK`` (no
     block of the tile follows) Q is released as soon as the last of these QKᵀ is done. Returns (p, m, l, acc) with
     the last block's P·V still to do."""
     q = _q_rows(rings[0], n % tile.Q_STAGES, tile)
-    mask_from = _mask_from(row0, seqlen_q, seqlen_k, tile)
+    edges = _edges(row0, seqlen_q, seqlen_k, band, tile)
+    key0 = _key0(row0 - tile.WG * 64, seqlen_q, seqlen_k, band, tile)
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
     zero_s = gl.zeros([64, tile.BLOCK_N], gl.float32, layout=s_layout)
     for j in range(1, n_blocks):
-        p, m_i, l_i, acc = _step(rings, q, p, m_i, l_i, acc, it + j, n, j, n_blocks, j * tile.BLOCK_N, rows,
-                                 zero_s, mask_from, seqlen_q, seqlen_k, qk_scale, tile, s_layout, o_layout, LAST_QK)
+        p, m_i, l_i, acc = _step(rings, q, p, m_i, l_i, acc, it + j, n, j, n_blocks, key0 + j * tile.BLOCK_N, rows,
+                                 zero_s, edges, seqlen_k, qk_scale, tile, s_layout, o_layout, LAST_QK)
     return p, m_i, l_i, acc
 
 
 @gluon.jit
-def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s, mask_from, seqlen_q, seqlen_k,
-          qk_scale, tile, s_layout: gl.constexpr, o_layout: gl.constexpr, RELEASE_Q: gl.constexpr):
+def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s, edges, seqlen_k, qk_scale, tile,
+          s_layout: gl.constexpr, o_layout: gl.constexpr, RELEASE_Q: gl.constexpr):
     """One key block (ring ``idx``, keys from ``start_n``, as many as ``zero_s`` has columns, in ``s_layout``) after
     another whose softmax is done (``p``, ring ``idx - 1``): QKᵀ is issued, then the previous block's P·V (P stays
     in registers as wgmma's A operand); this block's softmax runs once QKᵀ is done, and without LAZY_RESCALE once the
@@ -388,8 +419,8 @@ def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s
     if RELEASE_Q:
         mbarrier.arrive(q_empty.index(n % tile.Q_STAGES), count=1, pred=j == n_blocks - 1)
     m_old = m_i
-    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, seqlen_k, seqlen_k - seqlen_q, mask_from, qk_scale,
-                                  tile.CAUSAL, WIDTH, s_layout, tile.LAZY_RESCALE)
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, start_n, rows, seqlen_k, edges, qk_scale, tile.CAUSAL, WIDTH,
+                                  s_layout, tile.LAZY_RESCALE, tile.WINDOW)
     grown = 1
     if tile.LAZY_RESCALE:  # O is rescaled only where a row of the warpgroup took a new max
         grown = gl.max((m_i > m_old).to(gl.int32), axis=0)
@@ -404,7 +435,7 @@ def _step(rings, q, p, m_i, l_i, acc, idx, n, j, n_blocks, start_n, rows, zero_s
 
 
 @gluon.jit
-def _half_end(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile,
+def _half_end(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k, band, qk_scale, tile,
               s_layout: gl.constexpr, o_layout: gl.constexpr):
     """Warpgroup 0 with HALF_DIAG: its rows see only the first 64 keys of their tile's last block (the diagonal
     one), so that block's QKᵀ and P·V run over those 64 keys (``_half_block``); the blocks before it as in
@@ -416,16 +447,16 @@ def _half_end(rings, p, m_i, l_i, acc, it, n, row0, n_blocks, seqlen_q, seqlen_k
         left, right = p.to(dtype).reshape([64, 2, 64]).permute((0, 2, 1)).split()  # columns 0-63 and 64-127
         p_op = gl.convert_layout(left, p_layout)
     else:
-        p, m_i, l_i, acc = _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks - 1, seqlen_q, seqlen_k, qk_scale,
-                                   tile, s_layout, o_layout, False)
-        p_op, m_i, l_i, acc = _half_block(rings, p, m_i, l_i, acc, it + n_blocks - 1, n, row0,
-                                          (n_blocks - 1) * tile.BLOCK_N, seqlen_q, seqlen_k, qk_scale, tile,
-                                          s_layout, o_layout)
+        p, m_i, l_i, acc = _blocks(rings, p, m_i, l_i, acc, it, n, row0, n_blocks - 1, seqlen_q, seqlen_k, band,
+                                   qk_scale, tile, s_layout, o_layout, False)
+        start_n = _key0(row0 - tile.WG * 64, seqlen_q, seqlen_k, band, tile) + (n_blocks - 1) * tile.BLOCK_N
+        p_op, m_i, l_i, acc = _half_block(rings, p, m_i, l_i, acc, it + n_blocks - 1, n, row0, start_n, seqlen_q,
+                                          seqlen_k, band, qk_scale, tile, s_layout, o_layout)
     return p_op, m_i, l_i, acc
 
 
 @gluon.jit
-def _half_block(rings, p, m_i, l_i, acc, last, n, row0, start_n, seqlen_q, seqlen_k, qk_scale, tile,
+def _half_block(rings, p, m_i, l_i, acc, last, n, row0, start_n, seqlen_q, seqlen_k, band, qk_scale, tile,
                 s_layout: gl.constexpr, o_layout: gl.constexpr):
     """``_step`` for a tile's last block (ring ``last``, keys from ``start_n``) at half width: QKᵀ over its first 64
     keys, Q released. Returns (P as the A operand over the 64 keys, m, l, acc), its P·V still to do."""
@@ -436,7 +467,7 @@ def _half_block(rings, p, m_i, l_i, acc, last, n, row0, start_n, seqlen_q, seqle
     zero_h = gl.zeros([64, 64], gl.float32, layout=h_layout)
     p, m_h, l_h, acc = _step(rings, q, p, gl.convert_layout(m_i, gl.SliceLayout(1, h_layout)),
                              gl.convert_layout(l_i, gl.SliceLayout(1, h_layout)), acc, last, n, 0, 1, start_n, rows,
-                             zero_h, _mask_from(row0, seqlen_q, seqlen_k, tile), seqlen_q, seqlen_k, qk_scale, tile,
+                             zero_h, _edges(row0, seqlen_q, seqlen_k, band, tile), seqlen_k, qk_scale, tile,
                              h_layout, o_layout, True)
     m_i = gl.convert_layout(m_h, gl.SliceLayout(1, s_layout))
     l_i = gl.convert_layout(l_h, gl.SliceLayout(1, s_layout))
@@ -445,7 +476,7 @@ def _half_block(rings, p, m_i, l_i, acc, last, n, row0, start_n, seqlen_q, seqle
 
 @gluon.jit
 def _handover(rings, out, p, m_i, l_i, acc, last, next_it, n, off_b, off_h, row0, next_row0, next_blocks, seqlen_k,
-              qk_scale, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
+              band, qk_scale, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """From a tile whose last block this warpgroup sees (ring index ``last``) is done up to its softmax (``p``, as
     ``_last_pv`` takes it) to the next tile (the run's ``n``-th, its first block the ring's ``next_it``; blocks in
     between are skipped): issue the last P·V, then the next tile's first QKᵀ; once the P·V is done, write this
@@ -459,7 +490,8 @@ def _handover(rings, out, p, m_i, l_i, acc, last, next_it, n, off_b, off_h, row0
     mbarrier.arrive(v_empty.index(last % tile.STAGES), count=1)
     _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout, o_layout)
     o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q = out
-    return _first_softmax(rings, s, n, next_it, next_row0, next_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
+    return _first_softmax(rings, s, n, next_it, next_row0, next_blocks, seqlen_q, seqlen_k, band, qk_scale, tile,
+                          s_layout)
 
 
 @gluon.jit
@@ -477,14 +509,15 @@ def _first_qk(rings, n, it, tile, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, qk_scale, tile, s_layout: gl.constexpr):
+def _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, band, qk_scale, tile,
+                   s_layout: gl.constexpr):
     """Wait for a tile's first QKᵀ (``_first_qk``), release its K block (and its Q when ``n_blocks``, the blocks this
     warpgroup sees of the tile, is 1), and run that block's softmax from an empty state -> (p, m, l)."""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(it % tile.STAGES), count=1)
     mbarrier.arrive(q_empty.index(n % tile.Q_STAGES), count=1, pred=n_blocks == 1)
-    p, m_i, l_i = _fresh_softmax(s, row0, seqlen_q, seqlen_k, qk_scale, tile, s_layout)
+    p, m_i, l_i = _fresh_softmax(s, row0, seqlen_q, seqlen_k, band, qk_scale, tile, s_layout)
     if tile.EARLY_P:
         p = _operand(p, q_smem.dtype, _p_layout(tile.HEAD_DIM))
     return p, m_i, l_i
@@ -548,24 +581,32 @@ def _q_rows(q_smem, slot, tile):
 
 
 @gluon.jit
-def _mask_from(row0, seqlen_q, seqlen_k, tile):
-    """Key blocks reaching past this key need a mask (keys past the end and, under causal, past the diagonal of the
-    warpgroup's first row)."""
+def _edges(row0, seqlen_q, seqlen_k, band, tile):
+    """What ``_softmax`` masks for the warpgroup's rows from ``row0``: (mask_from, diag, mask_below, left). Blocks
+    reaching past key ``mask_from`` (past the end and, under causal, past the first row's diagonal: row i sees keys
+    up to i + diag) and, under WINDOW, blocks starting before ``mask_below`` (the last row's left edge: row i sees
+    keys from i + left)."""
     mask_from = seqlen_k
+    diag = seqlen_k - seqlen_q + _right(band, tile)
     if tile.CAUSAL:
-        mask_from = gl.minimum(seqlen_k, row0 + seqlen_k - seqlen_q + 1)
-    return mask_from
+        mask_from = gl.minimum(seqlen_k, row0 + seqlen_k - seqlen_q + _right(band, tile) + 1)
+    left = 0
+    mask_below = 0
+    if tile.WINDOW:
+        left = seqlen_k - seqlen_q - band[0]
+        mask_below = row0 + 63 + left
+    return mask_from, diag, mask_below, left
 
 
 @gluon.jit
-def _fresh_softmax(s, row0, seqlen_q, seqlen_k, qk_scale, tile, s_layout: gl.constexpr):
-    """A tile's first block (key 0 on): its softmax from an empty state -> (p, m, l)."""
+def _fresh_softmax(s, row0, seqlen_q, seqlen_k, band, qk_scale, tile, s_layout: gl.constexpr):
+    """A tile's first block (from key ``_key0``): its softmax from an empty state -> (p, m, l)."""
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
     m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
     l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
-    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, 0, rows, seqlen_k, seqlen_k - seqlen_q,
-                                  _mask_from(row0, seqlen_q, seqlen_k, tile), qk_scale, tile.CAUSAL, tile.BLOCK_N,
-                                  s_layout)
+    p, m_i, l_i, alpha = _softmax(s, m_i, l_i, _key0(row0 - tile.WG * 64, seqlen_q, seqlen_k, band, tile), rows,
+                                  seqlen_k, _edges(row0, seqlen_q, seqlen_k, band, tile), qk_scale, tile.CAUSAL,
+                                  tile.BLOCK_N, s_layout, False, tile.WINDOW)
     return p, m_i, l_i
 
 
@@ -595,18 +636,25 @@ def _store_o(o, o_desc, buf, off_b, row0, off_h):
 
 
 @gluon.jit
-def _softmax(s, m_i, l_i, start_n, rows, seqlen_k, diag, mask_from, qk_scale, CAUSAL: gl.constexpr,
-             BLOCK_N: gl.constexpr, s_layout: gl.constexpr, LAZY: gl.constexpr = False):
+def _softmax(s, m_i, l_i, start_n, rows, seqlen_k, edges, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+             s_layout: gl.constexpr, LAZY: gl.constexpr = False, WINDOW: gl.constexpr = False):
     """One block's raw scores -> (p, m, l, alpha) in the base-2 frame (``qk_scale`` = scale · log2 e > 0). Only
-    blocks reaching past ``mask_from`` are masked: keys past the end and, under causal, past the diagonal. With
+    blocks ``edges`` marks (``_edges``) are masked: keys past the end, under causal past the diagonal, under WINDOW
+    left of the window's left edge. With
     ``LAZY`` a row keeps its max until a score passes it by 2^8: P then reaches up to 2^8 and alpha stays 1, which
     lets ``_step`` skip O's rescale in most blocks; l and O share the max, so o = O / l and lse are exact."""
-    if start_n + BLOCK_N > mask_from:
+    mask_from, diag, mask_below, left = edges
+    masked = start_n + BLOCK_N > mask_from
+    if WINDOW:
+        masked = masked | (start_n < mask_below)
+    if masked:
         cols = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         if CAUSAL:  # one comparison per score: the key bound folded into each row's diagonal
             keep = cols[None, :] <= gl.minimum(rows + diag, seqlen_k - 1)[:, None]
         else:
             keep = cols[None, :] < seqlen_k
+        if WINDOW:
+            keep = keep & (cols[None, :] >= (rows + left)[:, None])
         s = gl.where(keep, s, float("-inf"))
     row_max = gl.max(s, axis=1) * qk_scale
     if LAZY:
@@ -704,10 +752,13 @@ def shared_bytes(d: int, cfg) -> int:
             + 2 * cfg.block_m * min(d, O_COLUMNS))
 
 
-def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False):
+def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False, band: tuple | None = None):
     """``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]`` (checked by the caller: what ``forward.py`` routes here),
     into ``o [B, Sq, Hq, D]`` (TMA-aligned, as q) and ``lse [B, Hq, Sq]`` (last dims contiguous). A ``persistent``
     tile launches up to one program per SM (``programs``), each looping over tiles; otherwise one program per tile.
+    ``band``: a sliding window's ``(left, right)`` with causal folded in (``Mods.band``; an unbounded side is
+    ``UNBOUNDED``), launched as causal with the diagonal moved right by ``right`` and the key blocks left of a
+    tile's first row's window not loaded.
     Returns ``(grid, Relaunch or None)``:
     with ``keep``, the launch kept for repeats with new arrays (``descriptors(q, k, v, o, cfg), lse``)."""
     if cfg.block_m not in (2 * ROWS_PER_WARPGROUP, 3 * ROWS_PER_WARPGROUP) or cfg.num_warps != 4:
@@ -729,15 +780,17 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False)
                          f"{SHARED_BYTES}")
     sk, hkv = k.shape[1], k.shape[2]
     num_tiles = cdiv(sq, cfg.block_m) * b * hq
-    grid = (programs(num_tiles, sq, sk, causal, cfg.block_m, cfg.block_n, _sm_count(q.device))
+    masked = causal or band is not None
+    grid = (programs(num_tiles, sq, sk, masked, cfg.block_m, cfg.block_n, _sm_count(q.device), band)
             if cfg.persistent else num_tiles,)
+    left, right = band or (0, 0)
     kept = start(
         keep, attention_fwd_sm90_kernel, grid, 5,
         *descriptors(q, k, v, o, cfg), lse, lse.stride(0), lse.stride(1),
-        sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=causal,
-        Q_STAGES=cfg.q_stages, HALF_DIAG=half_diagonal(sq, sk, causal, cfg), LAZY_RESCALE=cfg.lazy_rescale,
-        EARLY_P=cfg.early_p, num_warps=4,
+        sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles, left, right,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=masked,
+        Q_STAGES=cfg.q_stages, HALF_DIAG=half_diagonal(sq, sk, causal, cfg),
+        LAZY_RESCALE=cfg.lazy_rescale, EARLY_P=cfg.early_p, WINDOW=band is not None, num_warps=4,
     )
     return grid, kept
 
@@ -750,14 +803,17 @@ def half_diagonal(seqlen_q: int, seqlen_k: int, causal: bool, cfg) -> bool:
 
 @functools.lru_cache(maxsize=256)
 def programs(num_tiles: int, seqlen_q: int, seqlen_k: int, causal: bool, block_m: int, block_n: int,
-             sms: int) -> int:
+             sms: int, band: tuple | None = None) -> int:
     """A persistent launch's program count (``balanced_programs``), a tile counting as its key blocks plus one (the
     per-tile cost measured at N = 512, NOTES v14). Under causal the tiles differ in length and an uneven last lap
-    left the busiest program 11 % over the mean (d = 128, N = 512, 132 programs; 128 balance exactly)."""
+    left the busiest program 11 % over the mean (d = 128, N = 512, 132 programs; 128 balance exactly). ``band``
+    (``causal`` True): a window's (left, right), as ``launch`` takes it."""
     num_m = cdiv(seqlen_q, block_m)
     m0 = np.arange(num_m)[::-1] * block_m if causal else np.zeros(num_m, dtype=np.int64)  # tile t's rows: t % num_m
-    hi = np.minimum(seqlen_k, m0 + block_m + seqlen_k - seqlen_q) if causal else np.full(num_m, seqlen_k)
-    cost = np.maximum(-(-hi // block_n), 1) + 1.0
+    left, right = band or (0, 0)
+    hi = np.minimum(seqlen_k, m0 + block_m + seqlen_k - seqlen_q + right) if causal else np.full(num_m, seqlen_k)
+    first = np.maximum(m0 + seqlen_k - seqlen_q - left, 0) // block_n if band else 0  # _key0's block
+    cost = np.maximum(-(-hi // block_n), 1) - first + 1.0
     return balanced_programs(num_tiles, sms, lambda t: cost[t % num_m])
 
 
