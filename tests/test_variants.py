@@ -551,6 +551,8 @@ def test_variant_backward_is_bitwise_deterministic_gpu():
 
 @gpu
 def test_ops_with_variants_pass_opcheck_gpu():
+    from onlineattn.ops import backward, forward  # noqa: F401  (the ops register on import; alone in a worker, no
+    #                                                call has imported them yet)
     (q, k, v, do), mods = _op_case("cuda", torch.bfloat16)
     torch.library.opcheck(torch.ops.onlineattn.attention_fwd, (q, k, v, 0.25, True, *mods))
     o, lse = torch.ops.onlineattn.attention_fwd(q, k, v, 0.25, True, *mods)

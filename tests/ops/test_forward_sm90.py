@@ -18,7 +18,7 @@ from onlineattn._mods import PLAIN, Mods
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import (
     _FWD_WS, _FWD_WS_SHORT, _FWD_WS_WIDE, LAZY_RESCALE_FROM, WS_CAUSAL_PERSISTENT_BELOW, WS_MIN_KEYS, WS_SHORT_KEYS,
-    WS_WIDE_FROM, WS_WINDOW_HEAD_DIMS, fwd_config,
+    WS_WIDE_FROM, WS_WINDOW_MIN_SPAN, WS_WINDOW_PERSISTENT_BELOW, fwd_config,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -759,8 +759,9 @@ WINDOWS = [  # (left, right); a causal call folds right to 0 (Mods.band)
 
 
 def test_table_routes_a_window_as_causal():
-    """A window as the only variant takes the causal call's Hopper tile at d = 128 and 256 (``WS_WINDOW_HEAD_DIMS``),
-    persistent and lazy as a causal call of the window's span; d = 64 windows, calls with other variants, and calls
+    """A window as the only variant takes the causal call's Hopper tile where it spans ``WS_WINDOW_MIN_SPAN`` keys
+    or more (d = 128 and 256: any; d = 64: 1024, its 128-row tile), persistent below ``WS_WINDOW_PERSISTENT_BELOW``
+    and lazy as a causal call of the window's span; shorter d = 64 windows, calls with other variants, and calls
     ``ws_ok`` refuses take the Triton tiles as before (``Mods.band_only`` says which calls are windows alone)."""
     for d in (64, 128, 256):
         for causal in (False, True):
@@ -769,16 +770,18 @@ def test_table_routes_a_window_as_causal():
                                              variants=True, **kw)
                 plain = fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=n, seqlen_k=n, ws_ok=True)
                 for span in (128, 1024, 4096):
-                    if d not in WS_WINDOW_HEAD_DIMS:
+                    if span < WS_WINDOW_MIN_SPAN[d] or not plain.gluon:
                         assert at(ws_ok=True, window=span) == at() and not at().gluon
                         continue
+                    tile = plain if plain.block_m == 128 else _FWD_WS[True][d]
                     assert at(ws_ok=True, window=span) == replace(
-                        plain, persistent=span < WS_CAUSAL_PERSISTENT_BELOW[d],
-                        lazy_rescale=span >= LAZY_RESCALE_FROM[d, True]) and plain.gluon
+                        tile, persistent=span < WS_WINDOW_PERSISTENT_BELOW,
+                        lazy_rescale=span >= LAZY_RESCALE_FROM[d, True] if (d, True) in LAZY_RESCALE_FROM else False)
                 assert at(ws_ok=True) == at() == at(window=1024) and not at().gluon
-    at = lambda span: fwd_config(128, 128, torch.bfloat16, True, "cuda", seqlen_q=16384, seqlen_k=16384,  # noqa
-                                 variants=True, ws_ok=True, window=span)
-    assert (at(1024).persistent, at(1024).lazy_rescale, at(4096).lazy_rescale) == (True, False, True)
+    at = lambda d, span: fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=16384,  # noqa: E731
+                                    seqlen_k=16384, variants=True, ws_ok=True, window=span)
+    assert (at(128, 1024).persistent, at(128, 1024).lazy_rescale, at(128, 4096).lazy_rescale) == (True, False, True)
+    assert not at(256, 4096).persistent and at(64, 1024).block_m == 128 and not at(64, 128).gluon
     assert Mods(window_left=5).band_only and Mods(window_right=0).band_only
     assert not PLAIN.band_only and not Mods(window_left=5, softcap=2.0).band_only
     cu = torch.tensor([0, 3], dtype=torch.int32)
@@ -864,21 +867,22 @@ def test_window_tile_kinds_match_oracle(shape, window, dtype, kind, monkeypatch)
 @sm90
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_window_calls_take_the_hopper_kernel_at_its_head_dims(causal, d, monkeypatch):
-    """Through the table: a window as the only variant launches the Hopper kernel with its band at d = 128 and 256
-    (``WS_WINDOW_HEAD_DIMS``) and the Triton kernel at d = 64; either meets the rule, and the backward (the Triton
-    kernels: the Hopper dK/dV kernel has no window) too."""
+@pytest.mark.parametrize("window", [(255, 40), (1100, 0)], ids=str)
+def test_window_calls_take_the_hopper_kernel_at_its_head_dims(window, causal, d, monkeypatch):
+    """Through the table: a window as the only variant launches the Hopper kernel with its band at d = 128 and 256,
+    and at d = 64 where it spans 1024 keys or more (``WS_WINDOW_MIN_SPAN``; shorter ones take the Triton kernel);
+    either meets the rule, and the backward (the Triton kernels: the Hopper dK/dV kernel has no window) too."""
     import onlineattn
     bands = []
     launch = F.forward_sm90.launch
     monkeypatch.setattr(F.forward_sm90, "launch", lambda *a, band=None, **kw: bands.append(band) or launch(
         *a, band=band, **kw))
     monkeypatch.setattr(F, "_STEPS", {})
-    q, k, v = _inputs(2, 1100, 1300, 4, 2, d, d, torch.bfloat16, seed=d + causal, device="cuda")
-    window = (255, 40)
+    q, k, v = _inputs(2, 1100, 1300, 4, 2, d, d, torch.bfloat16, seed=d + causal + window[0], device="cuda")
     o, lse = _run_poisoned(q, k, v, causal, window=window)
     _check(q, k, v, causal, o, lse, window=window)
-    assert bands == ([(255, 0 if causal else 40)] if d in WS_WINDOW_HEAD_DIMS else [])
+    band = (window[0], 0 if causal else window[1])
+    assert bands == ([band] if d != 64 or sum(band) + 1 >= WS_WINDOW_MIN_SPAN[64] else [])
     do = torch.randn_like(q)
     ours, base = ((x.detach().clone().requires_grad_() for x in (q, k, v)) for _ in range(2))
     ours, base = tuple(ours), tuple(base)

@@ -212,11 +212,14 @@ WS_WIDE_FROM = {(64, False): 2048, (64, True): 8192}
 #   B = 1, H = 2048 / d, band TFLOP/s against the Triton kernel's, which ran every window before): d = 128 W = 1024
 #   persistent 466-470 (per tile 429-436, lazy 463-466) against 371-384; W = 128 137-138 against 123; W = 4096
 #   persistent lazy 560-571 (per tile lazy 560-575, not lazy 537-553) against 443-461; N = 4096 W = 1024 387-388
-#   against 339-340; d = 256 W = 1024 509-513 against 326. d = 64's 192-row tile lost (277-302 against 321-323 at
-#   W = 1024), and its 128-row tile was not measured: d = 64 windows keep the Triton kernel. So windows take the
-#   Hopper kernel at d = 128 and 256 (where the plain causal call would), scheduled by the window's span: persistent
-#   below WS_CAUSAL_PERSISTENT_BELOW, lazy from LAZY_RESCALE_FROM, as a causal call of that length.
-WS_WINDOW_HEAD_DIMS = (128, 256)
+#   against 339-340; d = 256 W = 1024 509-513 against 326. Second call (s41c.sh): d = 256 W = 128 persistent 174-176
+#   against 104, W = 4096 per tile lazy 596-606 (persistent lazy 557-559) against 412-416; d = 64 W = 1024 the
+#   128-row tile persistent 347-349 (per tile 295) against 294-325, W = 128 101-102 against 103-105; its 192-row
+#   tile lost at W = 1024 (277-302). So windows take the Hopper kernel where the plain causal call would: at d = 128
+#   and 256 at any span, at d = 64 from a 1024-key span on its 128-row tile; persistent below a 4096-key span; lazy
+#   from LAZY_RESCALE_FROM (the causal calls' rule at the span's length).
+WS_WINDOW_MIN_SPAN = {64: 1024, 128: 1, 256: 1}
+WS_WINDOW_PERSISTENT_BELOW = 4096
 _FWD_WS_WIDE = {False: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, persistent=True, q_stages=2, early_p=True),
                 True: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, early_p=True)}
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or with Sq <= 512 where the
@@ -246,19 +249,28 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
     any score variant flag is on; ``tma_ok``: K and V can go through tensor descriptors (aligned strides, not packed
     varlen); ``ws_ok``: the warp-specialized Hopper kernel can run this launch (``forward.ws_ok``); ``window``: where
     the one variant is a sliding window (``Mods.band_only``), the keys a row's window spans (at most Sk), else 0.
-    The Hopper kernel runs such windows as causal launches at the head dims of ``WS_WINDOW_HEAD_DIMS``."""
+    The Hopper kernel runs such windows as causal launches from ``WS_WINDOW_MIN_SPAN`` (``_window_tile``)."""
     if device_type != "cuda":
         return _INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
     if dtype == torch.float32:
         return _FWD_FP32[padded]
     ws = None
-    if ws_ok and head_dim == head_dim_v and (not variants or (window and head_dim in WS_WINDOW_HEAD_DIMS)):
-        ws = _ws_config(head_dim, causal or bool(window), seqlen_q, seqlen_k)
-        if ws is not None and window:  # every tile spans about the window's keys: scheduled as causal at that length
-            lazy_from = LAZY_RESCALE_FROM.get((head_dim, True), window + 1)
-            ws = replace(ws, persistent=window < WS_CAUSAL_PERSISTENT_BELOW[head_dim], lazy_rescale=window >= lazy_from)
+    windowed = window >= WS_WINDOW_MIN_SPAN.get(head_dim, window + 1) > 0
+    if ws_ok and head_dim == head_dim_v and (not variants or windowed):
+        ws = _ws_config(head_dim, causal or windowed, seqlen_q, seqlen_k)
+        if ws is not None and windowed:
+            ws = _window_tile(ws, head_dim, window)
     return ws or _triton_config(padded, causal, seqlen_q, seqlen_k, variants, tma_ok)
+
+
+def _window_tile(ws: FwdConfig, head_dim: int, span: int) -> FwdConfig:
+    """A window's tile: every tile spans about the window's ``span`` keys, so the 128-row tile (d = 64's 192-row one
+    lost), persistent below ``WS_WINDOW_PERSISTENT_BELOW``, lazy as a causal call of that length rescales."""
+    if ws.block_m != 128:
+        ws = _FWD_WS[True][head_dim]
+    lazy_from = LAZY_RESCALE_FROM.get((head_dim, True), span + 1)
+    return replace(ws, persistent=span < WS_WINDOW_PERSISTENT_BELOW, lazy_rescale=span >= lazy_from)
 
 
 def _ws_config(head_dim: int, causal: bool, seqlen_q: int | None, seqlen_k: int | None) -> FwdConfig | None:
