@@ -30,9 +30,15 @@ too), it computes one block fewer (``_own_blocks``) and only releases that block
 A program's tiles hand over: the next tile's first QKᵀ is issued right after this tile's last P·V and runs under
 this tile's epilogue. Q has ``q_stages`` buffers (a second lets the producer load the next tile's Q early).
 
-Plain attention only: float16/bfloat16, equal head dims for K and V (64, 128 or 256), a positive scale, no score
-variants, strides a TMA descriptor accepts. ``forward.py`` routes a launch here when ``fwd_config`` picks a
-``gluon`` tile (``ops/_configs.py`` says where it was measured faster); everything else runs the Triton kernel.
+A sliding window (``WINDOW``) runs as a causal launch whose diagonal moves right by the window's right side: a tile's
+key blocks start at the block holding its first row's left edge (``_key0``: blocks left of it are not loaded), and
+``_softmax`` also masks blocks that start left of a warpgroup's last row's left edge. Every warpgroup of a tile
+computes from that first block (a later warpgroup's rows may see none of it: masked, as a row that sees no key yet).
+
+Plain attention, or a sliding window as the only variant: float16/bfloat16, equal head dims for K and V (64, 128 or
+256), a positive scale, strides a TMA descriptor accepts. ``forward.py`` routes a launch here when ``fwd_config``
+picks a ``gluon`` tile (``ops/_configs.py`` says where it was measured faster); everything else runs the Triton
+kernel.
 Gluon has no interpreter, so CI compiles this kernel for sm_90 (tests/ops/test_forward_sm90.py) and the GPU suite
 runs it.
 """
