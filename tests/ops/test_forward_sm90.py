@@ -760,9 +760,10 @@ WINDOWS = [  # (left, right); a causal call folds right to 0 (Mods.band)
 
 def test_table_routes_a_window_as_causal():
     """A window as the only variant takes the causal call's Hopper tile where it spans ``WS_WINDOW_MIN_SPAN`` keys
-    or more (d = 128 and 256: any; d = 64: 1024, its 128-row tile), persistent below ``WS_WINDOW_PERSISTENT_BELOW``
-    and lazy as a causal call of the window's span; shorter d = 64 windows, calls with other variants, and calls
-    ``ws_ok`` refuses take the Triton tiles as before (``Mods.band_only`` says which calls are windows alone)."""
+    or more (d = 128 and 256: any; d = 64: 1024, its 128-row tile) and fewer than Sk, persistent below
+    ``WS_WINDOW_PERSISTENT_BELOW`` and lazy as a causal call of the window's span; other windows (shorter at d = 64,
+    or reaching every key on a side: ``_window_span`` gives Sk), calls with other variants, and calls ``ws_ok``
+    refuses take the Triton tiles as before (``Mods.band_only`` says which calls are windows alone)."""
     for d in (64, 128, 256):
         for causal in (False, True):
             for n in (700, 4096, 16384):
@@ -770,7 +771,7 @@ def test_table_routes_a_window_as_causal():
                                              variants=True, **kw)
                 plain = fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=n, seqlen_k=n, ws_ok=True)
                 for span in (128, 1024, 4096):
-                    if span < WS_WINDOW_MIN_SPAN[d] or not plain.gluon:
+                    if span < WS_WINDOW_MIN_SPAN[d] or span >= n or not plain.gluon:
                         assert at(ws_ok=True, window=span) == at() and not at().gluon
                         continue
                     tile = plain if plain.block_m == 128 else _FWD_WS[True][d]
@@ -786,6 +787,17 @@ def test_table_routes_a_window_as_causal():
     assert not PLAIN.band_only and not Mods(window_left=5, softcap=2.0).band_only
     cu = torch.tensor([0, 3], dtype=torch.int32)
     assert not Mods(window_left=5, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3, max_seqlen_k=3).band_only
+
+
+def test_window_span_is_what_a_row_sees_at_most():
+    """``forward._window_span``: left + right + 1 keys with causal's right side 0, at most Sk (so a window with an
+    unbounded side spans Sk, and the table keeps it on the Triton kernel), 0 without a window or with other
+    variants."""
+    span = F._window_span
+    assert span(Mods(window_left=100, window_right=7), True, 5000) == 101
+    assert span(Mods(window_left=100, window_right=7), False, 5000) == 108
+    assert span(Mods(window_left=100), False, 5000) == span(Mods(window_right=3), True, 5000) == 5000
+    assert span(PLAIN, True, 5000) == span(Mods(window_left=5, softcap=1.0), True, 5000) == 0
 
 
 def test_window_tiles_compute_every_visible_key():
@@ -845,12 +857,13 @@ def test_window_matches_oracle(shape, persistent, window, causal, d, monkeypatch
 @sm90
 @pytest.mark.parametrize("kind", ["short", "wide", "lazy", "early-p-flipped"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("window", [(37, 0), (128, 0), (300, 77)], ids=str)
+@pytest.mark.parametrize("window,causal", [((37, 0), True), ((128, 0), True), ((300, 77), True), ((300, 77), False)],
+                         ids=str)
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
-def test_window_tile_kinds_match_oracle(shape, window, dtype, kind, monkeypatch):
+def test_window_tile_kinds_match_oracle(shape, window, causal, dtype, kind, monkeypatch):
     """The table's other causal tiles under a window, over 3 persistent programs: the short tile (64-key blocks,
     four stages, two Q buffers, d = 128), d = 64's 192-row tile (three warpgroups), lazy rescaling (d = 128) and
-    ``early_p`` the other way (d = 256)."""
+    ``early_p`` the other way (d = 256); a non-causal window moves the diagonal right in each."""
     monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
     monkeypatch.setattr(F, "_STEPS", {})
     d = {"short": 128, "wide": 64, "lazy": 128, "early-p-flipped": 256}[kind]
@@ -859,8 +872,8 @@ def test_window_tile_kinds_match_oracle(shape, window, dtype, kind, monkeypatch)
            "early-p-flipped": replace(_FWD_WS[True][256], early_p=False)}[kind]
     b, sq, sk, hq, hkv = shape
     q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, dtype, seed=sum(shape) + d + sum(window), device="cuda")
-    o, lse = _run_poisoned(q, k, v, True, config=replace(cfg, persistent=True), window=window)
-    _check(q, k, v, True, o, lse, window=window)
+    o, lse = _run_poisoned(q, k, v, causal, config=replace(cfg, persistent=True), window=window)
+    _check(q, k, v, causal, o, lse, window=window)
 
 
 @gpu

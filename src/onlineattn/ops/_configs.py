@@ -217,7 +217,9 @@ WS_WIDE_FROM = {(64, False): 2048, (64, True): 8192}
 #   128-row tile persistent 347-349 (per tile 295) against 294-325, W = 128 101-102 against 103-105; its 192-row
 #   tile lost at W = 1024 (277-302). So windows take the Hopper kernel where the plain causal call would: at d = 128
 #   and 256 at any span, at d = 64 from a 1024-key span on its 128-row tile; persistent below a 4096-key span; lazy
-#   from LAZY_RESCALE_FROM (the causal calls' rule at the span's length).
+#   from LAZY_RESCALE_FROM (the causal calls' rule at the span's length). Only windows that leave a row fewer keys
+#   than Sk: one with an unbounded side (left-only non-causal, whose bottom tiles are the short ones, or causal with
+#   no left edge) was not measured and keeps the Triton kernel (the review of session 41).
 WS_WINDOW_MIN_SPAN = {64: 1024, 128: 1, 256: 1}
 WS_WINDOW_PERSISTENT_BELOW = 4096
 _FWD_WS_WIDE = {False: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, persistent=True, q_stages=2, early_p=True),
@@ -249,14 +251,15 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
     any score variant flag is on; ``tma_ok``: K and V can go through tensor descriptors (aligned strides, not packed
     varlen); ``ws_ok``: the warp-specialized Hopper kernel can run this launch (``forward.ws_ok``); ``window``: where
     the one variant is a sliding window (``Mods.band_only``), the keys a row's window spans (at most Sk), else 0.
-    The Hopper kernel runs such windows as causal launches from ``WS_WINDOW_MIN_SPAN`` (``_window_tile``)."""
+    The Hopper kernel runs such windows as causal launches, from ``WS_WINDOW_MIN_SPAN`` keys to fewer than Sk
+    (``_window_tile``)."""
     if device_type != "cuda":
         return _INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
     if dtype == torch.float32:
         return _FWD_FP32[padded]
     ws = None
-    windowed = window >= WS_WINDOW_MIN_SPAN.get(head_dim, window + 1) > 0
+    windowed = WS_WINDOW_MIN_SPAN.get(head_dim, window + 1) <= window < (seqlen_k or 0)
     if ws_ok and head_dim == head_dim_v and (not variants or windowed):
         ws = _ws_config(head_dim, causal or windowed, seqlen_q, seqlen_k)
         if ws is not None and windowed:

@@ -188,13 +188,14 @@ def _warpgroup(tile, wg):
 def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band, tile):
     """Tile ``t`` -> (batch, q head, first row, key blocks from ``_key0``). A head's row tiles are adjacent (they share
     K and V in L2: interleaving the heads instead cost 2-5 % causal at N >= 4096, session 19); under causal they come
-    bottom first (the most key blocks), so within a head the tiles handed out last are the short ones. A program takes
-    ``t = pid, pid + programs, ...`` (laps of ``programs`` tiles); every odd full lap is taken in reverse (a snake), so
-    under causal a program that took a longer tile of one lap takes a shorter one of the next, and ``programs`` picks
-    the count whose laps balance best (a length-major order balanced them too but lost more to L2, NOTES v12). A tile
-    whose rows all sit above the causal diagonal (Sq > Sk) still takes key block 0, fully masked: its rows get o = 0 and
-    lse = -inf like any row that sees no key (o is 0 · V there: NaN where that block of V holds inf or NaN, as for any
-    masked key of a computed block; with HALF_DIAG warpgroup 0 multiplies only the block's first 64 keys' V)."""
+    bottom first (the most key blocks; under a window all but the first window's rows have as many), so within a head
+    the tiles handed out last are the short ones. A program takes ``t = pid, pid + programs, ...`` (laps of ``programs``
+    tiles); every odd full lap is taken in reverse (a snake), so under causal a program that took a longer tile of one
+    lap takes a shorter one of the next, and ``programs`` picks the count whose laps balance best (a length-major order
+    balanced them too but lost more to L2, NOTES v12). A tile whose rows all sit above the causal diagonal (Sq > Sk)
+    still takes key block 0, fully masked: its rows get o = 0 and lse = -inf like any row that sees no key (o is 0 · V
+    there: NaN where that block of V holds inf or NaN, as for any masked key of a computed block; with HALF_DIAG
+    warpgroup 0 multiplies only the block's first 64 keys' V)."""
     t = snake(t, num_tiles)
     num_m = gl.cdiv(seqlen_q, tile.BLOCK_M)
     pid_m = t % num_m
@@ -787,6 +788,8 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False,
     sk, hkv = k.shape[1], k.shape[2]
     num_tiles = cdiv(sq, cfg.block_m) * b * hq
     masked = causal or band is not None
+    if band is not None:  # sides past Sq + Sk reach every key: clamped there, the kernel's int32 sums cannot overflow
+        band = tuple(min(side, sq + sk) for side in band)
     grid = (programs(num_tiles, sq, sk, masked, cfg.block_m, cfg.block_n, _sm_count(q.device), band)
             if cfg.persistent else num_tiles,)
     left, right = band or (0, 0)
