@@ -67,18 +67,15 @@ class Mods:
 
     def canonical(self) -> "Mods":
         """``PLAIN`` when every field has its default (a plain call rebuilt from saved state), else ``self``."""
-        plain = self.window_left == -1 and self.window_right == -1 and self._plain_but_window()
+        plain = self.window_left == -1 and self.window_right == -1 and self.sinks is None and self.window_sinks_only
         return PLAIN if plain else self
 
     @property
-    def band_only(self) -> bool:
-        """A sliding window is the only variant (one batch launch, not varlen): what the Hopper forward runs besides
-        plain calls."""
-        return (self.window_left, self.window_right) != (-1, -1) and self._plain_but_window()
-
-    def _plain_but_window(self) -> bool:
+    def window_sinks_only(self) -> bool:
+        """Every variant is a sliding window or sinks (one batch launch, not varlen): what the Hopper forward runs
+        (true of ``PLAIN`` too)."""
         return (self.softcap == 0.0 and self.dropout_p == 0.0 and self.max_seqlen_q == 0 and self.max_seqlen_k == 0
-                and self.batch0 == 0 and all(getattr(self, name) is None for name in _TENSOR_FIELDS))
+                and self.batch0 == 0 and all(getattr(self, name) is None for name in _TENSOR_FIELDS if name != "sinks"))
 
     @classmethod
     def from_bwd_args(cls, args) -> tuple["Mods", bool]:

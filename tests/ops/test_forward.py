@@ -8,7 +8,7 @@ import torch
 
 import onlineattn
 from onlineattn import reference as R
-from onlineattn._mods import PLAIN, Mods
+from onlineattn._mods import Mods
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import FwdConfig, fwd_config
 
@@ -30,20 +30,21 @@ def _inputs(b, sq, sk, hq, hkv, d, dv, dtype, *, seed, q_scale=1.0, device=DEVIC
     return q, k, v
 
 
-def _run_poisoned(q, k, v, causal, scale=None, config=None, window=(-1, -1)):
+def _run_poisoned(q, k, v, causal, scale=None, config=None, window=(-1, -1), sinks=None):
     """Launch into NaN-filled outputs, so an element the kernel never writes fails the comparison."""
     b, sq, hq, _ = q.shape
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o = torch.full((b, sq, hq, v.shape[-1]), float("nan"), dtype=q.dtype, device=q.device)
     lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float32, device=q.device)
-    mods = PLAIN if window == (-1, -1) else Mods(window_left=window[0], window_right=window[1])
+    mods = Mods(window_left=window[0], window_right=window[1], sinks=sinks).canonical()
     return F.forward(q, k, v, scale, causal, out=o, lse_out=lse, config=config, mods=mods)
 
 
-def _check(q, k, v, causal, o, lse, scale=None, window=(-1, -1)):
+def _check(q, k, v, causal, o, lse, scale=None, window=(-1, -1), sinks=None):
     exact_o, exact_lse = R.naive_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window,
-                                           return_lse=True)
-    base_o, base_lse = R.torch_math_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window)
+                                           sinks=sinks, return_lse=True)
+    base_o, base_lse = R.torch_math_attention(q, k, v, causal=causal, softmax_scale=scale, window_size=window,
+                                              sinks=sinks)
     R.assert_within_rule("o", o, exact_o, base_o, _name(q.dtype))
     R.assert_within_rule("lse", lse, exact_lse, base_lse, _name(q.dtype))
 

@@ -298,15 +298,18 @@ from probe_launch import Sm90NoLaunch
 triton.runtime.driver.set_active(Sm90NoLaunch())
 from onlineattn.ops import forward_sm90
 from onlineattn.ops._configs import _FWD_WS, _FWD_WS_WIDE
-for d, causal, band, cfg in ((128, True, (37, 0), _FWD_WS[True][128]), (128, False, (300, 77), _FWD_WS[True][128]),
-                             (64, False, (64, 2**30), _FWD_WS_WIDE[True])):
+for d, causal, band, sinks, cfg in ((128, True, (37, 0), None, _FWD_WS[True][128]),
+                                    (128, False, (300, 77), None, _FWD_WS[True][128]),
+                                    (64, False, (64, 2**30), None, _FWD_WS_WIDE[True]),
+                                    (128, True, None, torch.zeros(8), _FWD_WS[True][128]),
+                                    (256, False, (37, 0), torch.zeros(8), _FWD_WS[True][256])):
     q = torch.randn(2, 300, 8, d, dtype=torch.bfloat16)
     k = torch.randn(2, 300, 2, d, dtype=torch.bfloat16)
     o, lse = torch.empty_like(q), torch.empty(2, 8, 300)
     compiled = []
     run = forward_sm90.attention_fwd_sm90_kernel.run
     forward_sm90.attention_fwd_sm90_kernel.run = lambda *a, **kw: compiled.append(run(*a, **{{**kw, "warmup": True}}))
-    forward_sm90.launch(q, k, k, o, lse, 0.1, causal, cfg, band=band)
+    forward_sm90.launch(q, k, k, o, lse, 0.1, causal, cfg, band=band, sinks=sinks)
     forward_sm90.attention_fwd_sm90_kernel.run = run
     print(d, compiled[0].asm["ptx"].count("wgmma.mma_async"))
 """
@@ -316,8 +319,9 @@ def test_window_kernel_compiles_for_sm90():
     """A window compiles for sm_90 as a causal launch: the same matmul sites as ``test_kernel_compiles_for_sm90``'s
     causal cases (8 x (8 + 8) at d = 128, plus warpgroup 0's half-width diagonal (24) where a causal window's
     diagonal falls on a block boundary, none where a window's right side moves it; d = 64's 192-row tile 12 x
-    (4 + 8))."""
-    assert _compiled(_COMPILE_WINDOW).stdout.split() == ["128", "152", "128", "128", "64", "144"]
+    (4 + 8)); sinks, alone (causal, d = 128) or with a window (d = 256, 64-key blocks: 8 x (16 + 4)), add none."""
+    assert _compiled(_COMPILE_WINDOW).stdout.split() == ["128", "152", "128", "128", "64", "144", "128", "152", "256",
+                                                         "160"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -763,7 +767,8 @@ def test_table_routes_a_window_as_causal():
     or more (d = 128 and 256: any; d = 64: 1024, its 128-row tile) and fewer than Sk, persistent below
     ``WS_WINDOW_PERSISTENT_BELOW`` and lazy as a causal call of the window's span; other windows (shorter at d = 64,
     or reaching every key on a side: ``_window_span`` gives Sk), calls with other variants, and calls ``ws_ok``
-    refuses take the Triton tiles as before (``Mods.band_only`` says which calls are windows alone)."""
+    refuses take the Triton tiles as before (``Mods.window_sinks_only``: the calls whose variants are a window and/or
+    sinks alone). Sinks alone take the plain call's tile."""
     for d in (64, 128, 256):
         for causal in (False, True):
             for n in (700, 4096, 16384):
@@ -772,32 +777,36 @@ def test_table_routes_a_window_as_causal():
                 plain = fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=n, seqlen_k=n, ws_ok=True)
                 for span in (128, 1024, 4096):
                     if span < WS_WINDOW_MIN_SPAN[d] or span >= n or not plain.gluon:
-                        assert at(ws_ok=True, window=span) == at() and not at().gluon
+                        assert at(ws_ok=True, hopper=True, window=span) == at() and not at().gluon
                         continue
                     tile = plain if plain.block_m == 128 else _FWD_WS[True][d]
-                    assert at(ws_ok=True, window=span) == replace(
+                    assert at(ws_ok=True, hopper=True, window=span) == replace(
                         tile, persistent=span < WS_WINDOW_PERSISTENT_BELOW,
                         lazy_rescale=span >= LAZY_RESCALE_FROM[d, True] if (d, True) in LAZY_RESCALE_FROM else False)
-                assert at(ws_ok=True) == at() == at(window=1024) and not at().gluon
+                assert at(ws_ok=True) == at() == at(window=1024) == at(ws_ok=True, window=1024) and not at().gluon
+                assert at(ws_ok=True, hopper=True) == fwd_config(d, d, torch.bfloat16, causal, "cuda", seqlen_q=n,
+                                                                 seqlen_k=n, ws_ok=True)  # sinks alone
     at = lambda d, span: fwd_config(d, d, torch.bfloat16, True, "cuda", seqlen_q=16384,  # noqa: E731
-                                    seqlen_k=16384, variants=True, ws_ok=True, window=span)
+                                    seqlen_k=16384, variants=True, ws_ok=True, hopper=True, window=span)
     assert (at(128, 1024).persistent, at(128, 1024).lazy_rescale, at(128, 4096).lazy_rescale) == (True, False, True)
     assert not at(256, 4096).persistent and at(64, 1024).block_m == 128 and not at(64, 128).gluon
-    assert Mods(window_left=5).band_only and Mods(window_right=0).band_only
-    assert not PLAIN.band_only and not Mods(window_left=5, softcap=2.0).band_only
+    sinks = torch.zeros(4)
+    assert Mods(window_left=5).window_sinks_only and Mods(window_right=0, sinks=sinks).window_sinks_only
+    assert PLAIN.window_sinks_only and Mods(sinks=sinks).window_sinks_only
+    assert not Mods(window_left=5, softcap=2.0).window_sinks_only and not Mods(alibi_slopes=sinks).window_sinks_only
     cu = torch.tensor([0, 3], dtype=torch.int32)
-    assert not Mods(window_left=5, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3, max_seqlen_k=3).band_only
+    assert not Mods(window_left=5, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=3, max_seqlen_k=3).window_sinks_only
 
 
 def test_window_span_is_what_a_row_sees_at_most():
     """``forward._window_span``: left + right + 1 keys with causal's right side 0, at most Sk (so a window with an
-    unbounded side spans Sk, and the table keeps it on the Triton kernel), 0 without a window or with other
-    variants."""
+    unbounded side spans Sk, and the table keeps it on the Triton kernel), 0 without a window (``fwd_config``'s
+    ``hopper`` keeps windows with other variants off the Hopper kernel)."""
     span = F._window_span
     assert span(Mods(window_left=100, window_right=7), True, 5000) == 101
     assert span(Mods(window_left=100, window_right=7), False, 5000) == 108
     assert span(Mods(window_left=100), False, 5000) == span(Mods(window_right=3), True, 5000) == 5000
-    assert span(PLAIN, True, 5000) == span(Mods(window_left=5, softcap=1.0), True, 5000) == 0
+    assert span(PLAIN, True, 5000) == span(Mods(softcap=1.0), True, 5000) == 0
 
 
 def test_window_tiles_compute_every_visible_key():
@@ -853,6 +862,14 @@ def test_window_matches_oracle(shape, persistent, window, causal, d, monkeypatch
     _check(q, k, v, causal, o, lse, window=window)
 
 
+def _causal_tile_kind(kind):
+    """(d, tile) of the table's other causal tiles: the short tile (64-key blocks, four stages, two Q buffers, d =
+    128), d = 64's 192-row tile (three warpgroups), lazy rescaling (d = 128), ``early_p`` the other way (d = 256)."""
+    return {"short": (128, _FWD_WS_SHORT[128, True]), "wide": (64, _FWD_WS_WIDE[True]),
+            "lazy": (128, replace(_FWD_WS[True][128], lazy_rescale=True)),
+            "early-p-flipped": (256, replace(_FWD_WS[True][256], early_p=False))}[kind]
+
+
 @gpu
 @sm90
 @pytest.mark.parametrize("kind", ["short", "wide", "lazy", "early-p-flipped"])
@@ -866,10 +883,7 @@ def test_window_tile_kinds_match_oracle(shape, window, causal, dtype, kind, monk
     ``early_p`` the other way (d = 256); a non-causal window moves the diagonal right in each."""
     monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
     monkeypatch.setattr(F, "_STEPS", {})
-    d = {"short": 128, "wide": 64, "lazy": 128, "early-p-flipped": 256}[kind]
-    cfg = {"short": _FWD_WS_SHORT[128, True], "wide": _FWD_WS_WIDE[True],
-           "lazy": replace(_FWD_WS[True][128], lazy_rescale=True),
-           "early-p-flipped": replace(_FWD_WS[True][256], early_p=False)}[kind]
+    d, cfg = _causal_tile_kind(kind)
     b, sq, sk, hq, hkv = shape
     q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, dtype, seed=sum(shape) + d + sum(window), device="cuda")
     o, lse = _run_poisoned(q, k, v, causal, config=replace(cfg, persistent=True), window=window)
@@ -903,4 +917,84 @@ def test_window_calls_take_the_hopper_kernel_at_its_head_dims(window, causal, d,
     R.torch_math_attention(*base, causal=causal, window_size=window)[0].backward(do)
     exact = R.naive_attention_grads(q, k, v, do, causal=causal, window_size=window)
     for name, x, b in zip(("dq", "dk", "dv"), ours, base):
+        R.assert_within_rule(name, x.grad, exact[name], b.grad, "bfloat16")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Sinks: a logit per head that starts each row's running max and sum (m = sink, l = 1), with no value.
+
+def _sinks(hq, seed):
+    """Sinks around the scores' range, the first far above every score (o near 0, lse the sink) and, with two heads
+    or more, the last far below (as if absent)."""
+    sinks = torch.randn(hq, generator=torch.Generator().manual_seed(seed)) * 2.0
+    sinks[0] = 30.0
+    if hq > 1:
+        sinks[-1] = -30.0
+    return sinks.cuda()
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("window", [(-1, -1), (37, 0), (300, 77)], ids=str)
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-tile", "persistent"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_sinks_match_oracle(shape, persistent, window, causal, d, monkeypatch):
+    """Sinks alone or with a window, one program per tile or 3 persistent programs handing tiles of different heads
+    over (each tile starts from its own head's sink): rows that see no key get o = 0 and lse = the sink."""
+    monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
+    monkeypatch.setattr(F, "_STEPS", {})
+    b, sq, sk, hq, hkv = shape
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, torch.bfloat16, seed=sum(shape) + causal + d + sum(window),
+                      device="cuda")
+    sinks = _sinks(hq, sum(shape) + d)
+    cfg = replace(_FWD_WS[causal or window != (-1, -1)][d], persistent=persistent)
+    o, lse = _run_poisoned(q, k, v, causal, config=cfg, window=window, sinks=sinks)
+    _check(q, k, v, causal, o, lse, window=window, sinks=sinks)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("kind", ["short", "wide", "lazy", "early-p-flipped"])
+@pytest.mark.parametrize("window", [(-1, -1), (128, 0)], ids=str)
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
+def test_sink_tile_kinds_match_oracle(shape, window, kind, monkeypatch):
+    """The table's other causal tiles with sinks, over 3 persistent programs: with lazy rescaling a row keeps the
+    sink as its max until a score passes it by 2^8."""
+    monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
+    monkeypatch.setattr(F, "_STEPS", {})
+    d, cfg = _causal_tile_kind(kind)
+    b, sq, sk, hq, hkv = shape
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, torch.bfloat16, seed=sum(shape) + d + sum(window), device="cuda")
+    sinks = _sinks(hq, sum(shape))
+    o, lse = _run_poisoned(q, k, v, True, config=replace(cfg, persistent=True), window=window, sinks=sinks)
+    _check(q, k, v, True, o, lse, window=window, sinks=sinks)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sink_calls_take_the_hopper_kernel(causal, d, monkeypatch):
+    """Through the table: sinks as the only variant launch the Hopper kernel with them at every head dim (the plain
+    call's tile), and the backward (the Triton kernels) gives dq, dk, dv and dsinks within the rule."""
+    import onlineattn
+    seen = []
+    launch = F.forward_sm90.launch
+    monkeypatch.setattr(F.forward_sm90, "launch", lambda *a, sinks=None, **kw: seen.append(sinks) or launch(
+        *a, sinks=sinks, **kw))
+    monkeypatch.setattr(F, "_STEPS", {})
+    q, k, v = _inputs(2, 1100, 1300, 4, 2, d, d, torch.bfloat16, seed=d + causal, device="cuda")
+    sinks = _sinks(4, d)
+    o, lse = _run_poisoned(q, k, v, causal, sinks=sinks)
+    _check(q, k, v, causal, o, lse, sinks=sinks)
+    assert len(seen) == 1 and torch.equal(seen[0], sinks)
+    do = torch.randn_like(q)
+    ours, base = ((x.detach().clone().requires_grad_() for x in (q, k, v, sinks)) for _ in range(2))
+    ours, base = tuple(ours), tuple(base)
+    onlineattn.attention(*ours[:3], causal=causal, sinks=ours[3]).backward(do)
+    R.torch_math_attention(*base[:3], causal=causal, sinks=base[3])[0].backward(do)
+    exact = R.naive_attention_grads(q, k, v, do, causal=causal, sinks=sinks)
+    for name, x, b in zip(("dq", "dk", "dv", "dsinks"), ours, base):
         R.assert_within_rule(name, x.grad, exact[name], b.grad, "bfloat16")

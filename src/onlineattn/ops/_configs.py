@@ -246,13 +246,13 @@ def _padded(d: int) -> int:
 
 def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool, device_type: str, *,
                seqlen_q: int | None = None, seqlen_k: int | None = None, variants: bool = False,
-               tma_ok: bool = True, ws_ok: bool = False, window: int = 0) -> FwdConfig:
+               tma_ok: bool = True, ws_ok: bool = False, hopper: bool = False, window: int = 0) -> FwdConfig:
     """The tile for a launch. ``seqlen_q``/``seqlen_k``: query rows / keys per sequence (None: unknown); ``variants``:
     any score variant flag is on; ``tma_ok``: K and V can go through tensor descriptors (aligned strides, not packed
-    varlen); ``ws_ok``: the warp-specialized Hopper kernel can run this launch (``forward.ws_ok``); ``window``: where
-    the one variant is a sliding window (``Mods.band_only``), the keys a row's window spans (at most Sk), else 0.
-    The Hopper kernel runs such windows as causal launches, from ``WS_WINDOW_MIN_SPAN`` keys to fewer than Sk
-    (``_window_tile``)."""
+    varlen); ``ws_ok``: the warp-specialized Hopper kernel can run this launch (``forward.ws_ok``); ``hopper``: the
+    variants are a sliding window and/or sinks only (``Mods.window_sinks_only``), which that kernel runs as well;
+    ``window``: the keys a row's window spans (at most Sk), else 0. The Hopper kernel runs windows as causal launches,
+    from ``WS_WINDOW_MIN_SPAN`` keys to fewer than Sk (``_window_tile``), and sinks as the plain call's tile would."""
     if device_type != "cuda":
         return _INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
@@ -260,7 +260,7 @@ def fwd_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, causal: bool,
         return _FWD_FP32[padded]
     ws = None
     windowed = WS_WINDOW_MIN_SPAN.get(head_dim, window + 1) <= window < (seqlen_k or 0)
-    if ws_ok and head_dim == head_dim_v and (not variants or windowed):
+    if ws_ok and head_dim == head_dim_v and (not variants or (hopper and (windowed or not window))):
         ws = _ws_config(head_dim, causal or windowed, seqlen_q, seqlen_k)
         if ws is not None and windowed:
             ws = _window_tile(ws, head_dim, window)

@@ -237,21 +237,19 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 def ws_ok(q, k, v, scale, mods: Mods) -> bool:
     """Whether the warp-specialized Hopper kernel (forward_sm90.py) can run this call: plain attention, or with a
-    sliding window as its only variant, on an sm_90 device in half precision, equal head dims of 64, 128 or 256
-    (forward_sm90.HEAD_DIMS), a positive scale (its max is taken before scaling), and Q through a tensor descriptor
-    too (K and V are checked by the caller)."""
-    return (forward_sm90 is not None and (mods is PLAIN or mods.band_only) and q.is_cuda
+    sliding window and/or sinks as its only variants, on an sm_90 device in half precision, equal head dims of 64, 128
+    or 256 (forward_sm90.HEAD_DIMS), a positive scale (its max is taken before scaling), and Q through a tensor
+    descriptor too (K and V are checked by the caller)."""
+    return (forward_sm90 is not None and (mods is PLAIN or mods.window_sinks_only) and q.is_cuda
             and q.dtype in (torch.float16, torch.bfloat16)
             and q.shape[-1] == v.shape[-1] and q.shape[-1] in forward_sm90.HEAD_DIMS and scale > 0
             and forward_sm90.is_sm90(q.device) and tma_aligned(q))
 
 
 def _window_span(mods: Mods, causal: bool, seqlen_k: int) -> int:
-    """The keys a row's window spans (at most ``seqlen_k``) where a window is the call's one variant, else 0."""
-    if mods is PLAIN or not mods.band_only:
-        return 0
-    left, right = mods.band(causal)
-    return min(seqlen_k, left + right + 1)
+    """The keys a row's window spans (at most ``seqlen_k``), else 0."""
+    band = None if mods is PLAIN else mods.band(causal)
+    return 0 if band is None else min(seqlen_k, band[0] + band[1] + 1)
 
 
 def descriptor(x, box_rows: int, box_heads: int, box_d: int) -> TensorDescriptor:
@@ -327,7 +325,8 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
     cfg = config or fwd_config(q.shape[-1], dv, q.dtype, causal, q.device.type, variants=mods is not PLAIN,
                                seqlen_q=mods.max_seqlen_q if mods.varlen else q.shape[1],
                                seqlen_k=mods.max_seqlen_k if mods.varlen else k.shape[1], tma_ok=tma_ok,
-                               ws_ok=gluon_ok, window=_window_span(mods, causal, k.shape[-3]))
+                               ws_ok=gluon_ok, hopper=mods.window_sinks_only, window=_window_span(mods, causal,
+                                                                                                   k.shape[-3]))
     if cfg.gluon:  # one launch: its grid is one-dimensional (tiles), with no grid-y limit to slice the batch for
         if not gluon_ok:  # only an explicit config gets here so: the table picks gluon only where it can run
             raise ValueError("config: a gluon tile runs only plain (or window-only) half-precision calls on sm_90 "
@@ -335,8 +334,9 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
                              "a positive scale, TMA-aligned q, k, v and out, and out of q's dtype")
         check_int32_offsets(lse=lse)  # the kernel's offsets within a batch entry are int32 (Q, K, V and O go by TMA)
         keep = mods is PLAIN and launch_cache.enabled  # kept: a repeat skips the routing above (_repeat)
-        band = None if mods is PLAIN else mods.band(causal)  # a window, the one variant ws_ok lets through
-        grid, kept = forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg, keep=keep, band=band)  # 1-D grid
+        band, sinks = (None, None) if mods is PLAIN else (mods.band(causal), mods.sinks)  # what ws_ok lets through
+        grid, kept = forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg, keep=keep, band=band,  # a 1-D grid
+                                         sinks=None if sinks is None else sinks.contiguous())
         if keep:
             bounded_put(_STEPS, _step_key(q, k, v, o, lse, scale, causal, config), (cfg, True, grid, kept), _MAX_STEPS)
         return o, lse

@@ -92,11 +92,12 @@ class Tile:
     LAZY_RESCALE: gl.constexpr  # the forward: a row keeps its running max until a score passes it by 2^8 (_softmax)
     EARLY_P: gl.constexpr  # the forward: a block's P becomes wgmma's A operand right after its softmax (_step)
     WINDOW: gl.constexpr  # the forward: a sliding window's left edge bounds the keys too (with CAUSAL: its right)
+    SINK: gl.constexpr  # the forward: a sink logit per head joins each row's normaliser (_sink)
 
     @gluon.constexpr_function
     def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False, ORDERED=False,
                  Q_STAGES=1, TMA_OUT=False, HALF_DIAG=False, EARLY_DV=False, LAST_BLOCK_FIRST=False,
-                 PERSISTENT=False, LAZY_RESCALE=False, EARLY_P=False, WINDOW=False):
+                 PERSISTENT=False, LAZY_RESCALE=False, EARLY_P=False, WINDOW=False, SINK=False):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -115,21 +116,23 @@ class Tile:
         self.LAZY_RESCALE = gl.constexpr(LAZY_RESCALE)
         self.EARLY_P = gl.constexpr(EARLY_P)
         self.WINDOW = gl.constexpr(WINDOW)
+        self.SINK = gl.constexpr(SINK)
 
 
 @gluon.jit
 def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
                               seqlen_q, seqlen_k, heads_q, group, qk_scale, num_tiles, window_left, window_right,
-                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                              SINKS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_STAGES: gl.constexpr,
                               HALF_DIAG: gl.constexpr, LAZY_RESCALE: gl.constexpr, EARLY_P: gl.constexpr,
-                              WINDOW: gl.constexpr):
+                              WINDOW: gl.constexpr, SINK: gl.constexpr):
     """Programs take tiles ``pid, pid + programs, ...`` of ``num_tiles`` (one each when the grid covers them all).
     With ``HALF_DIAG`` warpgroup 0 takes each tile's diagonal block at half width (``_half_end``); with
     ``LAZY_RESCALE`` rows keep their running max until a score passes it by 2^8 (``_softmax``); with ``EARLY_P``
     a block's P is converted to wgmma's A operand right after its softmax (``_step``). With ``WINDOW`` (launched
     ``CAUSAL``) query i sees keys i + diag - window_left .. i + diag + window_right (diag = Sk - Sq): a tile's key
-    blocks start at its first row's left edge (``_key0``)."""
+    blocks start at its first row's left edge (``_key0``). With ``SINK``, ``SINKS [Hq]`` holds a logit per head that
+    joins every row's normaliser with no value (``_sink``; None without)."""
     dtype: gl.constexpr = q_desc.dtype
     CONSUMERS: gl.constexpr = BLOCK_M // 64  # warpgroups, 64 rows each
     gl.static_assert((CONSUMERS == 2) | ((CONSUMERS == 3) & (not HALF_DIAG)), "128 or 192 rows; HALF_DIAG at 128")
@@ -165,9 +168,13 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
     shape = (seqlen_q, seqlen_k, heads_q, num_tiles, gl.to_tensor(window_left), gl.to_tensor(window_right))
-    consumer = smem + shape + (o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale)
+    if SINK:
+        sinks = SINKS
+    else:  # a partition argument must be an IR value: lse's pointer stands in, never read
+        sinks = LSE
+    consumer = smem + shape + (o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale, sinks)
     tile = Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES, HALF_DIAG=HALF_DIAG,
-                LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P, WINDOW=WINDOW)
+                LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P, WINDOW=WINDOW, SINK=SINK)
     producer = (q_desc, k_desc, v_desc) + smem + shape + (group, tile)
     wg0, wg1 = consumer + (tile,), consumer + (_warpgroup(tile, 1),)
     if CONSUMERS == 2:  # (Gluon builds the partition list only from literals)
@@ -181,7 +188,7 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
 def _warpgroup(tile, wg):
     """Consumer warpgroup ``wg``'s copy of warpgroup 0's ``tile`` (``HALF_DIAG`` is warpgroup 0's alone)."""
     return Tile(wg, tile.BLOCK_M, tile.BLOCK_N, tile.HEAD_DIM, tile.STAGES, tile.CAUSAL, Q_STAGES=tile.Q_STAGES,
-                LAZY_RESCALE=tile.LAZY_RESCALE, EARLY_P=tile.EARLY_P, WINDOW=tile.WINDOW)
+                LAZY_RESCALE=tile.LAZY_RESCALE, EARLY_P=tile.EARLY_P, WINDOW=tile.WINDOW, SINK=tile.SINK)
 
 
 @gluon.jit
@@ -282,7 +289,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
               seqlen_q, seqlen_k, heads_q, num_tiles, window_left, window_right, o_desc, o_smem, LSE, stride_lb,
-              stride_lh, qk_scale, tile):
+              stride_lh, qk_scale, SINKS, tile):
     """One warpgroup: per tile, its 64 rows' online softmax over the key blocks they see (``_rest``), then their output
     (by TMA, ``_store_o``) and log-sum-exp. Tiles hand over (``_handover``): the next tile's first QKᵀ is issued
     right after this tile's last P·V and runs under this tile's epilogue, so the tensor cores do not drain between
@@ -300,7 +307,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
     own = _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, band, tile)
     it = 0
     n = 0
-    p, m_i, l_i = _first_block(rings, it, n, row0, own, seqlen_q, seqlen_k, band, qk_scale, tile, s_layout)
+    p, m_i, l_i = _first_block(rings, it, n, row0, own, seqlen_q, seqlen_k, band, qk_scale, _sink(SINKS, off_h, tile),
+                               tile, s_layout)
     for t in range(gl.program_id(0) + programs, num_tiles, programs):  # t: the next tile
         acc = gl.zeros([64, D], gl.float32, layout=o_layout)
         p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, own, seqlen_q, seqlen_k, band,
@@ -309,7 +317,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empt
         next_row0 = next_m0 + tile.WG * 64
         next_own = _own_blocks(next_row0, next_blocks, seqlen_q, seqlen_k, band, tile)
         p, m_i, l_i = _handover(rings, out, p_last, m_i, l_i, acc, it + own - 1, it + n_blocks, n + 1, off_b, off_h,
-                                row0, next_row0, next_own, seqlen_k, band, qk_scale, tile, s_layout, o_layout)
+                                row0, next_row0, next_own, seqlen_k, band, qk_scale, _sink(SINKS, next_h, tile), tile,
+                                s_layout, o_layout)
         it += n_blocks
         n += 1
         off_b, off_h, row0, n_blocks, own = next_b, next_h, next_row0, next_blocks, next_own
@@ -358,11 +367,12 @@ def _skip(rings, first, end, tile):
 
 
 @gluon.jit
-def _first_block(rings, it, n, row0, n_blocks, seqlen_q, seqlen_k, band, qk_scale, tile, s_layout: gl.constexpr):
+def _first_block(rings, it, n, row0, n_blocks, seqlen_q, seqlen_k, band, qk_scale, sink, tile,
+                 s_layout: gl.constexpr):
     """A program's first tile: wait for its Q and first K block, run QKᵀ and the block's softmax from an empty state.
     Returns (p, m, l); P·V follows in ``_rest`` or the hand-over."""
     s = _first_qk(rings, n, it, tile, s_layout)
-    return _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, band, qk_scale, tile, s_layout)
+    return _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, band, qk_scale, sink, tile, s_layout)
 
 
 @gluon.jit
@@ -483,7 +493,7 @@ def _half_block(rings, p, m_i, l_i, acc, last, n, row0, start_n, seqlen_q, seqle
 
 @gluon.jit
 def _handover(rings, out, p, m_i, l_i, acc, last, next_it, n, off_b, off_h, row0, next_row0, next_blocks, seqlen_k,
-              band, qk_scale, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
+              band, qk_scale, next_sink, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """From a tile whose last block this warpgroup sees (ring index ``last``) is done up to its softmax (``p``, as
     ``_last_pv`` takes it) to the next tile (the run's ``n``-th, its first block the ring's ``next_it``; blocks in
     between are skipped): issue the last P·V, then the next tile's first QKᵀ; once the P·V is done, write this
@@ -497,8 +507,8 @@ def _handover(rings, out, p, m_i, l_i, acc, last, next_it, n, off_b, off_h, row0
     mbarrier.arrive(v_empty.index(last % tile.STAGES), count=1)
     _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout, o_layout)
     o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q = out
-    return _first_softmax(rings, s, n, next_it, next_row0, next_blocks, seqlen_q, seqlen_k, band, qk_scale, tile,
-                          s_layout)
+    return _first_softmax(rings, s, n, next_it, next_row0, next_blocks, seqlen_q, seqlen_k, band, qk_scale,
+                          next_sink, tile, s_layout)
 
 
 @gluon.jit
@@ -516,7 +526,7 @@ def _first_qk(rings, n, it, tile, s_layout: gl.constexpr):
 
 
 @gluon.jit
-def _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, band, qk_scale, tile,
+def _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, band, qk_scale, sink, tile,
                    s_layout: gl.constexpr):
     """Wait for a tile's first QKᵀ (``_first_qk``), release its K block (and its Q when ``n_blocks``, the blocks this
     warpgroup sees of the tile, is 1), and run that block's softmax from an empty state -> (p, m, l)."""
@@ -524,7 +534,7 @@ def _first_softmax(rings, s, n, it, row0, n_blocks, seqlen_q, seqlen_k, band, qk
     s = warpgroup_mma_wait(0, deps=(s,))
     mbarrier.arrive(k_empty.index(it % tile.STAGES), count=1)
     mbarrier.arrive(q_empty.index(n % tile.Q_STAGES), count=1, pred=n_blocks == 1)
-    p, m_i, l_i = _fresh_softmax(s, row0, seqlen_q, seqlen_k, band, qk_scale, tile, s_layout)
+    p, m_i, l_i = _fresh_softmax(s, row0, seqlen_q, seqlen_k, band, qk_scale, sink, tile, s_layout)
     if tile.EARLY_P:
         p = _operand(p, q_smem.dtype, _p_layout(tile.HEAD_DIM))
     return p, m_i, l_i
@@ -588,6 +598,16 @@ def _q_rows(q_smem, slot, tile):
 
 
 @gluon.jit
+def _sink(SINKS, head, tile):
+    """With SINK, head ``head``'s sink logit in the base-2 frame (``m`` and the scores' ``s · qk_scale``); else 0,
+    unused. A sink of -inf joins as nothing (l = 1 at m = -inf: the first key's alpha is 0)."""
+    sink = 0.0
+    if tile.SINK:
+        sink = gl.load(SINKS + head).to(gl.float32) * 1.4426950408889634
+    return sink
+
+
+@gluon.jit
 def _edges(row0, seqlen_q, seqlen_k, band, tile):
     """What ``_softmax`` masks for the warpgroup's rows from ``row0``: (mask_from, diag, mask_below, left). Blocks
     reaching past key ``mask_from`` (past the end and, under causal, past the first row's diagonal: row i sees keys
@@ -606,11 +626,16 @@ def _edges(row0, seqlen_q, seqlen_k, band, tile):
 
 
 @gluon.jit
-def _fresh_softmax(s, row0, seqlen_q, seqlen_k, band, qk_scale, tile, s_layout: gl.constexpr):
-    """A tile's first block (from key ``_key0``): its softmax from an empty state -> (p, m, l)."""
+def _fresh_softmax(s, row0, seqlen_q, seqlen_k, band, qk_scale, sink, tile, s_layout: gl.constexpr):
+    """A tile's first block (from key ``_key0``): its softmax from an empty state, or with SINK from the head's sink
+    (``sink``, base 2) as a first key with no value: m = sink, l = 1 -> (p, m, l)."""
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
-    l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    if tile.SINK:
+        m_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout)) + sink
+        l_i = gl.full([64], 1.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+    else:
+        m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.full([64], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
     p, m_i, l_i, alpha = _softmax(s, m_i, l_i, _key0(row0 - tile.WG * 64, seqlen_q, seqlen_k, band, tile), rows,
                                   seqlen_k, _edges(row0, seqlen_q, seqlen_k, band, tile), qk_scale, tile.CAUSAL,
                                   tile.BLOCK_N, s_layout, False, tile.WINDOW)
@@ -759,13 +784,14 @@ def shared_bytes(d: int, cfg) -> int:
             + 2 * cfg.block_m * min(d, O_COLUMNS))
 
 
-def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False, band: tuple | None = None):
+def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False, band: tuple | None = None,
+           sinks: torch.Tensor | None = None):
     """``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]`` (checked by the caller: what ``forward.py`` routes here),
     into ``o [B, Sq, Hq, D]`` (TMA-aligned, as q) and ``lse [B, Hq, Sq]`` (last dims contiguous). A ``persistent``
     tile launches up to one program per SM (``programs``), each looping over tiles; otherwise one program per tile.
     ``band``: a sliding window's ``(left, right)`` with causal folded in (``Mods.band``; an unbounded side is
     ``UNBOUNDED``), launched as causal with the diagonal moved right by ``right`` and the key blocks left of a
-    tile's first row's window not loaded.
+    tile's first row's window not loaded. ``sinks``: a contiguous ``[Hq]`` sink logit per head (``Mods.sinks``).
     Returns ``(grid, Relaunch or None)``:
     with ``keep``, the launch kept for repeats with new arrays (``descriptors(q, k, v, o, cfg), lse``)."""
     if cfg.block_m not in (2 * ROWS_PER_WARPGROUP, 3 * ROWS_PER_WARPGROUP) or cfg.num_warps != 4:
@@ -796,10 +822,11 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False,
     kept = start(
         keep, attention_fwd_sm90_kernel, grid, 5,
         *descriptors(q, k, v, o, cfg), lse, lse.stride(0), lse.stride(1),
-        sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles, left, right,
+        sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles, left, right, sinks,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=masked,
         Q_STAGES=cfg.q_stages, HALF_DIAG=half_diagonal(sq, sk, causal, cfg),
-        LAZY_RESCALE=cfg.lazy_rescale, EARLY_P=cfg.early_p, WINDOW=band is not None, num_warps=4,
+        LAZY_RESCALE=cfg.lazy_rescale, EARLY_P=cfg.early_p, WINDOW=band is not None, SINK=sinks is not None,
+        num_warps=4,
     )
     return grid, kept
 
