@@ -978,7 +978,8 @@ def test_sink_tile_kinds_match_oracle(shape, window, kind, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_sink_calls_take_the_hopper_kernel(causal, d, monkeypatch):
     """Through the table: sinks as the only variant launch the Hopper kernel with them at every head dim (the plain
-    call's tile), and the backward (the Triton kernels) gives dq, dk, dv and dsinks within the rule."""
+    call's tile), and the backward (the Hopper dK/dV kernel too: sinks reach it only through lse) gives dq, dk, dv
+    and dsinks within the rule, deterministic and not."""
     import onlineattn
     seen = []
     launch = F.forward_sm90.launch
@@ -993,8 +994,24 @@ def test_sink_calls_take_the_hopper_kernel(causal, d, monkeypatch):
     do = torch.randn_like(q)
     ours, base = ((x.detach().clone().requires_grad_() for x in (q, k, v, sinks)) for _ in range(2))
     ours, base = tuple(ours), tuple(base)
-    onlineattn.attention(*ours[:3], causal=causal, sinks=ours[3]).backward(do)
     R.torch_math_attention(*base[:3], causal=causal, sinks=base[3])[0].backward(do)
     exact = R.naive_attention_grads(q, k, v, do, causal=causal, sinks=sinks)
-    for name, x, b in zip(("dq", "dk", "dv", "dsinks"), ours, base):
-        R.assert_within_rule(name, x.grad, exact[name], b.grad, "bfloat16")
+    for deterministic in (True, False):
+        for x in ours:
+            x.grad = None
+        onlineattn.attention(*ours[:3], causal=causal, sinks=ours[3], deterministic=deterministic).backward(do)
+        for name, x, b in zip(("dq", "dk", "dv", "dsinks"), ours, base):
+            R.assert_within_rule(name, x.grad, exact[name], b.grad, "bfloat16")
+
+
+def test_backward_takes_the_hopper_kernel_for_sinks_not_windows(monkeypatch):
+    """``backward.ws_ok``: the Hopper dK/dV kernel runs plain calls and sinks alone (they reach it only through lse),
+    never a window (it has none) or another variant; checked with the forward's conditions held true."""
+    from onlineattn.ops import backward as B
+    monkeypatch.setattr(B, "_forward_ws_ok", lambda *a: True)
+    monkeypatch.setattr(B, "tma_aligned", lambda *a: True)
+    x = torch.zeros(1, 8, 2, 128)
+    sinks = torch.zeros(2)
+    assert B.ws_ok(x, x, x, x, PLAIN) and B.ws_ok(x, x, x, x, Mods(sinks=sinks))
+    for mods in (Mods(window_left=4), Mods(window_left=4, sinks=sinks), Mods(softcap=2.0, sinks=sinks)):
+        assert not B.ws_ok(x, x, x, x, mods)

@@ -586,10 +586,12 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
 
 
 def ws_ok(do, q, k, v, mods: Mods) -> bool:
-    """Whether the Hopper dK/dV kernel (backward_sm90.py) can run this call: plain attention (no window: that the
-    forward's kernel runs alone) with what the forward's needs (forward.ws_ok, with a unit scale: the backward takes
+    """Whether the Hopper dK/dV kernel (backward_sm90.py) can run this call: plain attention, or with sinks alone
+    (they reach the gradients only through lse, which holds them, and dsinks, computed apart; no window: that the
+    forward's kernel runs alone), with what the forward's needs (forward.ws_ok, with a unit scale: the backward takes
     no max), a head dim it is built for, and dO through a descriptor too."""
-    return (backward_sm90 is not None and mods is PLAIN and q.shape[-1] in backward_sm90.HEAD_DIMS
+    plain = mods is PLAIN or (mods.window_sinks_only and mods.band(False) is None)
+    return (backward_sm90 is not None and plain and q.shape[-1] in backward_sm90.HEAD_DIMS
             and _forward_ws_ok(q, k, v, 1.0, mods) and tma_aligned(k, v, do))
 
 
