@@ -784,6 +784,9 @@ def test_causal_window_blocks_visit_every_row_that_sees_them():
                         for mt in tiles:
                             visits[mt].append(j)
                     for mt, blocks in visits.items():
+                        if not blocks:  # unvisited: no row sees a key (an ordered launch zeroes such rows alone)
+                            assert not visible[mt * block_m: (mt + 1) * block_m].any()
+                            assert (mt + 1) * block_m <= (sq - sk) // block_m * block_m
                         last = (block_m * (mt + 1) + diag + block_n - 1) // block_n - 1  # _turn's
                         turns = sorted(min(last, num_n - 1) - j for j in blocks)
                         assert turns == list(range(len(turns))), (block_m, block_n, sq, sk, left, mt, blocks)
