@@ -24,10 +24,10 @@ def _case(b, sq, sk, hq, hkv, d, dv, dtype, seed):
     return make(b, sq, hq, d), make(b, sk, hkv, d), make(b, sk, hkv, dv), make(b, sq, hq, dv)
 
 
-def _baseline_grads(q, k, v, do, causal, dlse=None, scale=None):
+def _baseline_grads(q, k, v, do, causal, dlse=None, scale=None, window=(-1, -1)):
     """Autograd of textbook attention in the inputs' own dtype: the error rule's baseline."""
     leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    o, lse = R.torch_math_attention(*leaves, causal=causal, softmax_scale=scale)
+    o, lse = R.torch_math_attention(*leaves, causal=causal, softmax_scale=scale, window_size=window)
     loss = (o * do).sum()
     if dlse is not None:
         loss = loss + (lse.float().masked_fill(torch.isinf(lse), 0.0) * dlse).sum()

@@ -2,18 +2,15 @@
 sm_90 on any machine, and on an sm_90 GPU that dK and dV meet the §3 rule, and dQ where the kernel adds it (fused,
 in any order or in a fixed one); elsewhere dQ comes from the Triton kernel."""
 
-import os
-import subprocess
-import sys
 import warnings
 from dataclasses import replace
-from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from onlineattn import reference as R
-from onlineattn._mods import PLAIN
+from onlineattn._mods import PLAIN, Mods
 from onlineattn.ops import backward as B
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import (
@@ -21,8 +18,8 @@ from onlineattn.ops._configs import (
     BWD_EARLY_DV, BWD_PERSISTENT, BWD_WS_MIN_KEYS, bwd_config, fused_dq_tile,
 )
 from tests.ops.test_backward import _baseline_grads, _nan_scratch
+from tests.ops.test_forward_sm90 import _compiled
 
-ROOT = Path(__file__).resolve().parents[2]
 sm90 = pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
                           reason="needs an sm_90 GPU")
 gpu = pytest.mark.gpu
@@ -217,9 +214,12 @@ def test_persistent_programs_balance_the_causal_laps():
     for case in ((1000, 1000, 37, 3, True, 64, 128, 5, 132), (513, 700, 64, 1, True, 128, 128, 8, 100),
                  (2048, 1024, 40, 2, True, 64, 64, 8, 60), (700, 900, 300, 1, False, 64, 128, 1, 132)):
         assert programs(*case) == _busiest_least(*case), case
+    for case in ((1000, 1000, 37, 3, True, 64, 128, 5, 132, 200), (4096, 4096, 16, 1, True, 64, 128, 8, 132, 1023),
+                 (513, 700, 64, 1, True, 128, 128, 8, 100, 0)):  # causal windows: the blocks' rows end early
+        assert programs(*case) == _busiest_least(*case), case
 
 
-def _busiest_least(seqlen_q, seqlen_k, columns, group, causal, block_m, block_n, head_group, sms):
+def _busiest_least(seqlen_q, seqlen_k, columns, group, causal, block_m, block_n, head_group, sms, window_left=None):
     num_n = -(-seqlen_k // block_n)
     num_tiles = num_n * columns
 
@@ -230,7 +230,9 @@ def _busiest_least(seqlen_q, seqlen_k, columns, group, causal, block_m, block_n,
         first = t // (head_group * num_n) * head_group
         pid_n = t % (head_group * num_n) // min(columns - first, head_group)
         lo = max(pid_n * block_n - (seqlen_k - seqlen_q), 0) // block_m * block_m if causal else 0
-        return max(-(-(seqlen_q - lo) // block_m), 0) * group + 2
+        end = seqlen_q if window_left is None else min(seqlen_q, _rows_end(pid_n, seqlen_q, seqlen_k, block_n,
+                                                                           window_left))
+        return max(-(-(end - lo) // block_m), 0) * group + 2
 
     best = None
     for count in range(sms, 3 * sms // 4 - 1, -1):
@@ -300,7 +302,7 @@ def test_ordered_launches_go_head_after_head(monkeypatch):
     from onlineattn.ops import backward_sm90
 
     seen = []
-    monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: seen.append(a[-2]) or (a[2], None))  # head_group
+    monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: seen.append(a[-3]) or (a[2], None))  # head_group
     q, k, v, do = (torch.randn(1, 300, 2, 128, dtype=torch.bfloat16) for _ in range(4))
     lse = torch.randn(1, 2, 300)
     acc = dict(dq_acc=torch.zeros(1, 320, 2, 128))
@@ -336,14 +338,17 @@ triton.runtime.driver.set_active(Sm90NoLaunch())
 from dataclasses import replace
 from onlineattn.ops import backward_sm90
 from onlineattn.ops._configs import _BWD_WS_DKDV, fused_dq_tile
-for d, causal, fused, ordered, wide, rows in ((128, False, False, False, False, 0), (64, True, False, False, False, 0),
-                                              (128, True, True, False, False, 0), (64, False, True, False, False, 0),
-                                              (256, True, False, False, False, 0), (256, False, False, False, False, 0),
-                                              (128, False, True, True, False, 0), (64, True, True, True, False, 0),
-                                              (128, True, True, True, True, 0), (64, True, False, False, False, 128),
-                                              (128, True, True, True, False, -1), (128, False, True, False, False, 0),
-                                              (128, True, True, False, False, 1), (64, False, False, False, True, 1),
-                                              (256, True, False, False, False, 1), (64, False, True, False, False, 64)):
+for case in ((128, False, False, False, False, 0), (64, True, False, False, False, 0),
+             (128, True, True, False, False, 0), (64, False, True, False, False, 0),
+             (256, True, False, False, False, 0), (256, False, False, False, False, 0),
+             (128, False, True, True, False, 0), (64, True, True, True, False, 0),
+             (128, True, True, True, True, 0), (64, True, False, False, False, 128),
+             (128, True, True, True, False, -1), (128, False, True, False, False, 0),
+             (128, True, True, False, False, 1), (64, False, False, False, True, 1),
+             (256, True, False, False, False, 1), (64, False, True, False, False, 64),
+             (128, True, True, True, False, 0, 37), (64, True, True, False, False, 0, 300),
+             (256, True, False, False, False, 0, 128)):  # the last three: windows
+    d, causal, fused, ordered, wide, rows, *left = case
     tile = fused_dq_tile(d, ordered, causal=causal) if fused else _BWD_WS_DKDV[d]
     if rows == 1:  # persistent
         tile, rows = replace(tile, persistent=True), 0
@@ -362,7 +367,8 @@ for d, causal, fused, ordered, wide, rows in ((128, False, False, False, False, 
     dk, dv = (torch.empty_like(k, dtype=torch.float32 if wide else k.dtype) for _ in range(2))
     backward_sm90.launch_dkdv(q, k, k, q, lse, lse, dk, dv, 0.1, causal, tile,
                               dq_acc=torch.zeros(2, padded, 8, d) if fused else None,
-                              dq_sem=torch.zeros(2, 8, padded // tile.block_m, dtype=torch.int32) if ordered else None)
+                              dq_sem=torch.zeros(2, 8, padded // tile.block_m, dtype=torch.int32) if ordered else None,
+                              window_left=left[0] if left else None)
     backward_sm90.attention_bwd_dkdv_sm90_kernel.run = run
     ptx = compiled[0].asm["ptx"]
     print(d, ptx.count("wgmma.mma_async"), int("cp.reduce.async.bulk.tensor" in ptx),
@@ -386,16 +392,13 @@ def test_kernel_compiles_for_sm90():
     turn (rows of one head) (and the same matmuls, in either causal launch order); dK and dV by TMA stores from 64-row
     tiles at d = 64 and 128 into outputs of q's dtype, from registers at d = 256, from 128-row tiles and into float32
     outputs; the fused tiles of d = 128 non-causal (``early_dv``, BWD_EARLY_DV) wait for Sᵀ with dPᵀ still in flight, no
-    other tile does; persistent tiles (the last three cases) the same matmuls and stores."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(ROOT / "src")
-    out = subprocess.run([sys.executable, "-c", _COMPILE.format(bench=str(ROOT / "benchmarks"))], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+    other tile does; persistent tiles (cases 14-16) the same matmuls and stores; causal windows (the last three: the
+    ordered fused dQ at d = 128, the unordered one at d = 64, d = 256's split tile) those of their causal tiles."""
+    out = _compiled(_COMPILE)
     rows = ["128 48 0 0 1 0 0", "64 32 0 0 1 0 0", "128 80 1 0 1 0 0", "64 80 1 0 0 0 0", "256 80 0 0 0 0 0",
             "256 80 0 0 0 0 0", "128 80 1 1 1 1 1", "64 80 1 1 0 1 0", "128 80 1 1 0 1 0", "64 48 0 0 0 0 0",
             "128 80 1 1 1 1 0", "128 80 1 0 1 0 1", "128 80 1 0 1 0 0", "64 32 0 0 0 0 0", "256 80 0 0 0 0 0",
-            "64 64 1 0 1 0 0", "tiny"]
+            "64 64 1 0 1 0 0", "128 80 1 1 1 1 0", "64 80 1 0 0 0 0", "256 80 0 0 0 0 0", "tiny"]
     assert out.stdout.split() == " ".join(rows).split(), out.stdout
 
 
@@ -749,3 +752,105 @@ def test_table_takes_the_split_kernel_at_d256(monkeypatch):
     triton = B.backward(do, q, k, v, o, lse, 0.0625, True, config=bwd_config(256, 256, torch.bfloat16, "cuda",
                                                                               causal=True))
     assert all(torch.equal(a, b) for a, b in zip(table, triton))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Causal windows (right side 0): a key block's row tiles end where its last key leaves the rows' windows.
+
+def _rows_end(pid_n, seqlen_q, seqlen_k, block_n, window_left):
+    """The first row past key block ``pid_n``'s window: query i sees keys from i + Sk - Sq - window_left."""
+    return (pid_n + 1) * block_n - (seqlen_k - seqlen_q) + window_left
+
+
+def test_causal_window_blocks_visit_every_row_that_sees_them():
+    """By a walk of ``_key_block``'s arithmetic over lengths, windows and tile shapes: each key block's row tiles (from
+    ``lo`` to its window's end) hold every row that sees one of its keys, and each row tile is visited by exactly
+    the key blocks ``_turn`` counts (those from its first row's left edge to the last on its diagonal, turns 0, 1,
+    ... with none missing, so no ordered add waits on a turn that never comes)."""
+    for block_m, block_n in ((64, 128), (128, 128), (64, 64)):
+        for sq in (1, 64, 129, 300, 700):
+            for sk in (1, 40, 128, 300, 701):
+                for left in (0, 37, 128, 300, 2000):
+                    visible = R.visible_mask(sq, sk, True, (left, 0))
+                    diag = sk - sq
+                    num_n, num_m = -(-sk // block_n), -(-sq // block_m)
+                    visits = {mt: [] for mt in range(num_m)}
+                    for j in range(num_n):
+                        lo = max(j * block_n - diag, 0) // block_m * block_m
+                        end = min(sq, _rows_end(j, sq, sk, block_n, left))
+                        tiles = range(lo // block_m, lo // block_m + max(-(-(end - lo) // block_m), 0))
+                        rows = np.flatnonzero(visible[:, j * block_n: (j + 1) * block_n].any(axis=1))
+                        assert all(r // block_m in tiles for r in rows), (block_m, block_n, sq, sk, left, j)
+                        for mt in tiles:
+                            visits[mt].append(j)
+                    for mt, blocks in visits.items():
+                        if not blocks:  # unvisited: no row sees a key (an ordered launch zeroes such rows alone)
+                            assert not visible[mt * block_m: (mt + 1) * block_m].any()
+                            assert (mt + 1) * block_m <= (sq - sk) // block_m * block_m
+                        last = (block_m * (mt + 1) + diag + block_n - 1) // block_n - 1  # _turn's
+                        turns = sorted(min(last, num_n - 1) - j for j in blocks)
+                        assert turns == list(range(len(turns))), (block_m, block_n, sq, sk, left, mt, blocks)
+
+
+def test_backward_takes_causal_windows_and_sinks_not_others(monkeypatch):
+    """``backward.ws_ok``: the Hopper dK/dV kernel runs plain calls, sinks (they reach it only through lse) and
+    windows whose right side is 0 (causal, or right = 0: its ``window_left``), alone or together; not two-sided
+    windows or other variants. Checked with the forward's conditions held true."""
+    monkeypatch.setattr(B, "_forward_ws_ok", lambda *a: True)
+    monkeypatch.setattr(B, "tma_aligned", lambda *a: True)
+    x = torch.zeros(1, 8, 2, 128)
+    sinks = torch.zeros(2)
+    assert B.ws_ok(x, x, x, x, PLAIN) and B.ws_ok(x, x, x, x, Mods(window_left=4), True)
+    assert B.ws_ok(x, x, x, x, Mods(window_left=4, window_right=0)) and B.ws_ok(x, x, x, x, Mods(window_right=7), True)
+    assert B.ws_ok(x, x, x, x, Mods(sinks=sinks)) and B.ws_ok(x, x, x, x, Mods(window_left=4, sinks=sinks), True)
+    for mods in (Mods(window_left=4), Mods(window_left=4, window_right=2), Mods(window_left=4, softcap=2.0),
+                 Mods(softcap=2.0, sinks=sinks)):
+        assert not B.ws_ok(x, x, x, x, mods)
+
+
+def test_window_left_needs_a_causal_launch():
+    """``launch_dkdv`` takes ``window_left`` (>= 0) with causal only (ValueError before any launch)."""
+    from onlineattn.ops import backward_sm90
+    q = torch.zeros(1, 64, 2, 128)
+    for causal, left in ((False, 5), (True, -1)):
+        with pytest.raises(ValueError, match="window_left"):
+            backward_sm90.launch_dkdv(q, q, q, q, q[..., 0], q[..., 0], q, q, 0.1, causal, _BWD_WS_DKDV[128],
+                                      window_left=left)
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d,fused,ordered", [(64, False, False), (64, True, False), (64, True, True),
+                                             (128, False, False), (128, True, False), (128, True, True),
+                                             (256, False, False)],
+                         ids=["64", "64-fused-dq", "64-ordered-dq", "128", "128-fused-dq", "128-ordered-dq", "256"])
+@pytest.mark.parametrize("window", [(0, 0), (37, 0), (128, 0), (300, 0)], ids=str)
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-block", "persistent"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_causal_windows_match_oracle(shape, persistent, window, d, fused, ordered, monkeypatch):
+    """dK, dV and dQ of each dQ path under a causal window (the Hopper forward's o and lse, or the Triton
+    forward's where it does not run the window), one program per key block or 3 persistent programs (not the
+    ordered tiles: their programs wait on one another), against the oracle under the §3 rule: row tiles past a
+    block's window skipped, those crossing its edge masked, the ordered adds' turns from each row tile's first
+    block."""
+    from onlineattn.ops import backward_sm90
+
+    if persistent and ordered:
+        pytest.skip("dq_ordered tiles take one key block a program")
+    monkeypatch.setattr(backward_sm90, "_sm_count", lambda device: 3)
+    monkeypatch.setattr(B.launch_cache, "enabled", False)
+    b, sq, sk, hq, hkv = shape
+    dtype = torch.bfloat16
+    g = torch.Generator().manual_seed(sum(shape) + d + sum(window))
+    q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", dtype)
+                   for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+    mods = Mods(window_left=window[0], window_right=window[1])
+    o, lse = F.forward(q, k, v, d**-0.5, True, mods=mods)
+    tile = fused_dq_tile(d, ordered, causal=True) if fused else _BWD_WS_DKDV[d]
+    cfg = replace(bwd_config(d, d, dtype, "cuda", causal=True), dkdv=replace(tile, persistent=persistent))
+    dq, dk, dv = B.gradients(do, q, k, v, o, lse, d**-0.5, True, config=cfg, mods=mods,
+                             deterministic=ordered or not fused)[:3]
+    exact = R.naive_attention_backward(q, k, v, do, causal=True, window_size=window)
+    base = _baseline_grads(q, k, v, do, True, window=window)
+    for name, got, want, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), exact, base):
+        R.assert_within_rule(name, got, want, ref, "bfloat16")

@@ -976,42 +976,33 @@ def test_sink_tile_kinds_match_oracle(shape, window, kind, monkeypatch):
 @sm90
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sink_calls_take_the_hopper_kernel(causal, d, monkeypatch):
-    """Through the table: sinks as the only variant launch the Hopper kernel with them at every head dim (the plain
-    call's tile), and the backward (the Hopper dK/dV kernel too: sinks reach it only through lse) gives dq, dk, dv
-    and dsinks within the rule, deterministic and not."""
+@pytest.mark.parametrize("window", [(-1, -1), (255, 0)], ids=str)
+def test_sink_calls_take_the_hopper_kernel(window, causal, d, monkeypatch):
+    """Through the table: sinks, alone or with a window, launch the Hopper kernel with them where the call without
+    them would (every head dim alone, the plain call's tile; a 256-key window at d = 128 and 256), and the backward
+    (the Hopper dK/dV kernel too where the window's right side is 0: sinks reach it only through lse) gives dq, dk,
+    dv and dsinks within the rule, deterministic and not."""
     import onlineattn
     seen = []
     launch = F.forward_sm90.launch
     monkeypatch.setattr(F.forward_sm90, "launch", lambda *a, sinks=None, **kw: seen.append(sinks) or launch(
         *a, sinks=sinks, **kw))
     monkeypatch.setattr(F, "_STEPS", {})
-    q, k, v = _inputs(2, 1100, 1300, 4, 2, d, d, torch.bfloat16, seed=d + causal, device="cuda")
+    q, k, v = _inputs(2, 1100, 1300, 4, 2, d, d, torch.bfloat16, seed=d + causal + window[0], device="cuda")
     sinks = _sinks(4, d)
-    o, lse = _run_poisoned(q, k, v, causal, sinks=sinks)
-    _check(q, k, v, causal, o, lse, sinks=sinks)
-    assert len(seen) == 1 and torch.equal(seen[0], sinks)
+    o, lse = _run_poisoned(q, k, v, causal, window=window, sinks=sinks)
+    _check(q, k, v, causal, o, lse, window=window, sinks=sinks)
+    hopper = window == (-1, -1) or d != 64  # a 256-key window at d = 64 keeps the Triton kernel (WS_WINDOW_MIN_SPAN)
+    assert len(seen) == hopper and all(torch.equal(x, sinks) for x in seen)
     do = torch.randn_like(q)
     ours, base = ((x.detach().clone().requires_grad_() for x in (q, k, v, sinks)) for _ in range(2))
     ours, base = tuple(ours), tuple(base)
-    R.torch_math_attention(*base[:3], causal=causal, sinks=base[3])[0].backward(do)
-    exact = R.naive_attention_grads(q, k, v, do, causal=causal, sinks=sinks)
+    R.torch_math_attention(*base[:3], causal=causal, window_size=window, sinks=base[3])[0].backward(do)
+    exact = R.naive_attention_grads(q, k, v, do, causal=causal, window_size=window, sinks=sinks)
     for deterministic in (True, False):
         for x in ours:
             x.grad = None
-        onlineattn.attention(*ours[:3], causal=causal, sinks=ours[3], deterministic=deterministic).backward(do)
+        onlineattn.attention(*ours[:3], causal=causal, window_size=window, sinks=ours[3],
+                             deterministic=deterministic).backward(do)
         for name, x, b in zip(("dq", "dk", "dv", "dsinks"), ours, base):
             R.assert_within_rule(name, x.grad, exact[name], b.grad, "bfloat16")
-
-
-def test_backward_takes_the_hopper_kernel_for_sinks_not_windows(monkeypatch):
-    """``backward.ws_ok``: the Hopper dK/dV kernel runs plain calls and sinks alone (they reach it only through lse),
-    never a window (it has none) or another variant; checked with the forward's conditions held true."""
-    from onlineattn.ops import backward as B
-    monkeypatch.setattr(B, "_forward_ws_ok", lambda *a: True)
-    monkeypatch.setattr(B, "tma_aligned", lambda *a: True)
-    x = torch.zeros(1, 8, 2, 128)
-    sinks = torch.zeros(2)
-    assert B.ws_ok(x, x, x, x, PLAIN) and B.ws_ok(x, x, x, x, Mods(sinks=sinks))
-    for mods in (Mods(window_left=4), Mods(window_left=4, sinks=sinks), Mods(softcap=2.0, sinks=sinks)):
-        assert not B.ws_ok(x, x, x, x, mods)

@@ -519,8 +519,9 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
         delta = (do.float() * o.float()).sum(-1).transpose(1, 2) - (0 if dlse is None else dlse)
     else:
         delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-        hopper = ws_ok(do, q, k, v, mods)
-        cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, causal=causal,
+        hopper = ws_ok(do, q, k, v, mods, causal)
+        windowed = hopper and mods.band(causal) is not None  # a causal window: the Hopper kernel's causal launch
+        cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, causal=causal or windowed,
                                    ws_ok=hopper and not mods.varlen, seqlen_q=sq, seqlen_k=k.shape[1],
                                    deterministic=exact,
                                    ordered_blocks=backward_sm90.ordered_blocks(q.device) if hopper else 0)
@@ -585,12 +586,14 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     return dq, dk, dv, dbias, dsinks
 
 
-def ws_ok(do, q, k, v, mods: Mods) -> bool:
-    """Whether the Hopper dK/dV kernel (backward_sm90.py) can run this call: plain attention, or with sinks alone
-    (they reach the gradients only through lse, which holds them, and dsinks, computed apart; no window: that the
-    forward's kernel runs alone), with what the forward's needs (forward.ws_ok, with a unit scale: the backward takes
-    no max), a head dim it is built for, and dO through a descriptor too."""
-    plain = mods is PLAIN or (mods.window_sinks_only and mods.band(False) is None)
+def ws_ok(do, q, k, v, mods: Mods, causal: bool = False) -> bool:
+    """Whether the Hopper dK/dV kernel (backward_sm90.py) can run this call: plain attention, or with sinks and a
+    window whose right side is 0 (causal, or right = 0: the kernel's ``window_left``) as its only variants (sinks
+    reach the gradients only through lse, which holds them, and dsinks, computed apart), with what the forward's
+    needs (forward.ws_ok, with a unit scale: the backward takes no max), a head dim it is built for, and dO through a
+    descriptor too."""
+    band = None if mods is PLAIN else mods.band(causal)
+    plain = mods is PLAIN or (mods.window_sinks_only and (band is None or band[1] == 0))
     return (backward_sm90 is not None and plain and q.shape[-1] in backward_sm90.HEAD_DIMS
             and _forward_ws_ok(q, k, v, 1.0, mods) and tma_aligned(k, v, do))
 
@@ -640,14 +643,16 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
         strides_dk = tuple(0 if i % 3 == 0 else x for i, x in enumerate(strides_dk))
         strides_dq, strides_lse, strides_o = (0, *strides_dq[1:]), (0, strides_lse[1]), (0, *strides_o[1:])
     variants = variant_args(mods, causal, scale, b, hq, sq, sk)
+    band = mods.band(causal)  # a causal window (right = 0) where a gluon tile runs (ws_ok): its causal launch
+    hopper = dict(causal=causal or band is not None, window_left=None if band is None else band[0])
     scalars = (sq, sk, hkv, scale * LOG2E, scale)
     head_group = bwd_head_group(b * hkv, common["CAUSAL"])
     t = cfg.dkdv
     if t.gluon and t.fused_dq:  # dQ comes with dK and dV: delta first, and after them the pass that scales dQ
-        dq_acc, dq_sem, zero = _dq_accumulator(dq, t, causal, sk)
+        dq_acc, dq_sem, zero = _dq_accumulator(dq, t, hopper["causal"], sk)
         pre = _preprocess(o, do, lse, dlse, delta, zero, keep)
-        dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep, dq_acc=dq_acc,
-                                         dq_sem=dq_sem, head_group=head_group)
+        dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, tile=t, keep=keep, dq_acc=dq_acc,
+                                         dq_sem=dq_sem, head_group=head_group, **hopper)
         return pre, dkdv, _scale_dq(dq_acc, scale, dq, t.block_m, keep)
     t = cfg.dq
     k_arg, v_arg = k, v
@@ -663,8 +668,8 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
     )
     t = cfg.dkdv
     if t.gluon:
-        dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, causal, t, keep=keep,
-                                         head_group=head_group)
+        dkdv = backward_sm90.launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale, tile=t, keep=keep,
+                                         head_group=head_group, **hopper)
     else:
         q_arg, do_arg = q, do
         if tma_rows:

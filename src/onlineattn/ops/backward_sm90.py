@@ -120,11 +120,12 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
                                    stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
                                    stride_dvb, stride_dvs, stride_dvh, dq_rows,
                                    seqlen_q, seqlen_k, heads_kv, qk_scale,
-                                   sm_scale, head_group, num_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                   sm_scale, head_group, num_tiles, window_left, BLOCK_M: gl.constexpr,
+                                   BLOCK_N: gl.constexpr,
                                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                    GROUP: gl.constexpr, FUSED_DQ: gl.constexpr, ORDERED: gl.constexpr,
                                    TMA_OUT: gl.constexpr, LAST_BLOCK_FIRST: gl.constexpr, EARLY_DV: gl.constexpr,
-                                   PERSISTENT: gl.constexpr):
+                                   PERSISTENT: gl.constexpr, WINDOW: gl.constexpr):
     # A program takes key block ``pid`` of ``num_tiles``, or with PERSISTENT (never ORDERED) ``pid, pid + programs,
     # ...``, in _key_block's order. Only the producer's and the ORDERED partitions' Tiles carry LAST_BLOCK_FIRST.
     gl.static_assert(ORDERED or not LAST_BLOCK_FIRST, "LAST_BLOCK_FIRST orders an ORDERED launch")
@@ -196,14 +197,14 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     stride_dvh = gl.to_tensor(stride_dvh)
     smem = (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty)
     shape = (gl.to_tensor(seqlen_q), gl.to_tensor(seqlen_k), gl.to_tensor(heads_kv), gl.to_tensor(head_group),
-             gl.to_tensor(num_tiles))
+             gl.to_tensor(num_tiles), gl.to_tensor(window_left))
     dq_rows = gl.to_tensor(dq_rows)
     outs = (DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale)
     consumer = smem + (ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, staged) + shape + (
         dk_desc, dv_desc, DQ, dq_rows) + outs
     loads = (q_desc, k_desc, v_desc, do_desc) + smem + shape + (LSE, DELTA, stride_lb, stride_lh, Tile(
         0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED, LAST_BLOCK_FIRST=LAST_BLOCK_FIRST,
-        PERSISTENT=PERSISTENT))
+        PERSISTENT=PERSISTENT, WINDOW=WINDOW))
     if HEAD_DIM > 128:  # both warpgroups on the same keys, each with half of dK's and dV's columns (_consumer_split)
         gl.static_assert(not FUSED_DQ, "fused_dq: d = 64 and 128 only")
         half_rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M // 2], dtype)
@@ -212,36 +213,38 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
         split = smem + (p_smem, dst_smem, ds_ready.index(0), ds_free.index(0)) + shape + outs
         gl.warp_specialize([
             (_consumer_split, split + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP,
-                                            PERSISTENT=PERSISTENT),)),
+                                            PERSISTENT=PERSISTENT, WINDOW=WINDOW),)),
             (_consumer_split, split + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP,
-                                            PERSISTENT=PERSISTENT),)),
+                                            PERSISTENT=PERSISTENT, WINDOW=WINDOW),)),
             (_producer, loads),
         ], [4, 1], [240, 24])
     elif ORDERED:  # a fourth partition, one warp, adds the staged dQ tiles in their fixed order
         gl.static_assert(FUSED_DQ, "ORDERED orders the fused dQ's adds")
         writer = (DQ, dq_smem, dq_full, dq_empty, SEM, dq_rows) + shape + (
             Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED,
-                 LAST_BLOCK_FIRST=LAST_BLOCK_FIRST),)
+                 LAST_BLOCK_FIRST=LAST_BLOCK_FIRST, WINDOW=WINDOW),)
         gl.warp_specialize([
             (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED,
-                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, LAST_BLOCK_FIRST=LAST_BLOCK_FIRST),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, LAST_BLOCK_FIRST=LAST_BLOCK_FIRST,
+                                         WINDOW=WINDOW),)),
             (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED,
-                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, LAST_BLOCK_FIRST=LAST_BLOCK_FIRST),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, LAST_BLOCK_FIRST=LAST_BLOCK_FIRST,
+                                         WINDOW=WINDOW),)),
             (_producer, loads),
             (_dq_writer, writer),
         ], [4, 1, 1], [240, 24, 24])
     else:
         gl.warp_specialize([
             (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ,
-                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, PERSISTENT=PERSISTENT),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, PERSISTENT=PERSISTENT, WINDOW=WINDOW),)),
             (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ,
-                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, PERSISTENT=PERSISTENT),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, PERSISTENT=PERSISTENT, WINDOW=WINDOW),)),
             (_producer, loads),
         ], [4, 1], [240, 24])
 
 
 @gluon.jit
-def _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, tile):
+def _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, tile):
     """Tile ``tid`` -> (batch, kv head, key block, its first key, its first row tile's first row, row tiles per head
     of the group, the ORDERED rotation). (batch, kv head) columns go in groups of ``head_group`` (ORDERED: 1, so a
     head's programs launch together), key block 0 first (under causal masking the one with the most rows), or with
@@ -258,7 +261,10 @@ def _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, tile):
     lo = 0
     if tile.CAUSAL:  # rows before the first key's diagonal see none of this block (query i sees key j <= i + Sk - Sq)
         lo = gl.maximum(n0 - (seqlen_k - seqlen_q), 0) // tile.BLOCK_M * tile.BLOCK_M
-    row_tiles = gl.maximum(gl.cdiv(seqlen_q - lo, tile.BLOCK_M), 0)  # per head of the group
+    rows_end = seqlen_q
+    if tile.WINDOW:  # (causal) rows past the last key's window see none of this block: query i sees keys from
+        rows_end = gl.minimum(seqlen_q, n0 + tile.BLOCK_N - (seqlen_k - seqlen_q) + window_left)  # i + diag - left
+    row_tiles = gl.maximum(gl.cdiv(rows_end - lo, tile.BLOCK_M), 0)  # per head of the group
     shift = 0
     if tile.ORDERED and not tile.CAUSAL:  # programs start their row tiles apart (_turn)
         n_tiles = gl.maximum(row_tiles * tile.GROUP, 1)
@@ -283,8 +289,8 @@ def _blocks(block: gl.constexpr, args, num_tiles, tile):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty,
-              ready, empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, LSE, DELTA, stride_lb, stride_lh,
-              tile):
+              ready, empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, LSE, DELTA, stride_lb,
+              stride_lh, tile):
     """One warp: per key block after the program's first, its first row tiles (as many as the ring has stages), then
     its K and V once both consumers are done with the last block's (``kv_empty``: under their epilogue the next
     block's row tiles already stream in), then its other row tiles. Row tile ``t`` of the block (its head of the
@@ -292,8 +298,8 @@ def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
     +inf where a row saw no key, so P = 0 there and past the last row) and delta into stage ``it % STAGES``, once
     both consumers released it."""
     _blocks(_producer_block, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
-             kv_bar, kv_empty, ready, empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, LSE, DELTA,
-             stride_lb, stride_lh), num_tiles, tile)
+             kv_bar, kv_empty, ready, empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, LSE,
+             DELTA, stride_lb, stride_lh), num_tiles, tile)
 
 
 @gluon.jit
@@ -301,9 +307,9 @@ def _producer_block(tid, it, n, args, tile):
     """_producer's key block ``tid``, the program's ``n``-th, its row tiles from the program's ``it``-th;
     returns the next block's ``it``."""
     (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready,
-     empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, LSE, DELTA, stride_lb, stride_lh) = args
+     empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, LSE, DELTA, stride_lb, stride_lh) = args
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group,
-                                                                 num_tiles, tile)
+                                                                 num_tiles, window_left, tile)
     n_tiles = row_tiles * tile.GROUP
     first = gl.minimum(n_tiles, tile.STAGES)  # before K and V, except in a program's first block
     if n == 0:
@@ -347,8 +353,8 @@ def _load_rows(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, em
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_smem, ds_ready,
               ds_free, dq_smem, dq_full, dq_empty, done, staged, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles,
-              dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs,
-              stride_dvh, qk_scale, sm_scale, tile):
+              window_left, dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb,
+              stride_dvs, stride_dvh, qk_scale, sm_scale, tile):
     """One warpgroup, per key block: its 64 keys' dK and dV over every row tile of the group, then stored (dK times
     the scale): by TMA with TMA_OUT (``_store_dkdv_tma``, staged in this warpgroup's K and V rows once both
     warpgroups are done reading them; persistent with FUSED_DQ, ``_early_dkdv``), else from registers
@@ -357,8 +363,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_
     staged for the writer warp, _dq_writer)."""
     _blocks(_consumer_block, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty,
              ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, staged, seqlen_q, seqlen_k, heads_kv,
-             head_group, num_tiles, dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh,
-             stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale), num_tiles, tile)
+             head_group, num_tiles, window_left, dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks,
+             stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale), num_tiles, tile)
 
 
 @gluon.jit
@@ -366,9 +372,9 @@ def _consumer_block(tid, it, n, args, tile):
     """_consumer's key block ``tid``, the program's ``n``-th, its row tiles from the program's ``it``-th;
     returns the next block's ``it``."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_smem, ds_ready, ds_free,
-     dq_smem, dq_full, dq_empty, done, staged, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, dk_desc, dv_desc,
-     DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale,
-     sm_scale) = args
+     dq_smem, dq_full, dq_empty, done, staged, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left,
+     dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+     qk_scale, sm_scale) = args
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     STAGES: gl.constexpr = tile.STAGES
@@ -390,10 +396,11 @@ def _consumer_block(tid, it, n, args, tile):
     # dQ's B operand: K's columns of this warpgroup's part (all of them where the warpgroups split the rows)
     k_dq = k_smem.reshape([tile.BLOCK_N, D]).slice(dq_part_offset(BLOCK_M, D, tile.WG)[1], DQ_COLS, dim=1)
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group,
-                                                                 num_tiles, tile)
+                                                                 num_tiles, window_left, tile)
     key0 = n0 + tile.WG * 64
     keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
     full_from = key0 + 63 - diag  # row tiles starting here see every key of this warpgroup
+    win_from = key0 - diag + window_left + 1  # WINDOW: rows from here on do not see this warpgroup's first key
     partial = key0 + 64 > seqlen_k  # keys past the end: zero-filled K and V, but P must be 0 there for dS
     dk = gl.zeros([64, D], gl.float32, layout=kv_layout)
     dv = gl.zeros([64, D], gl.float32, layout=kv_layout)
@@ -418,6 +425,10 @@ def _consumer_block(tid, it, n, args, tile):
             if m < full_from:
                 rows = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
                 pt = gl.where(keys[:, None] <= rows[None, :] + diag, pt, 0.0)
+        if tile.WINDOW:
+            if m + BLOCK_M > win_from:
+                rows = m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+                pt = gl.where(keys[:, None] >= rows[None, :] + (diag - window_left), pt, 0.0)
         if tile.FUSED_DQ:
             if partial:
                 pt = gl.where(keys[:, None] < seqlen_k, pt, 0.0)
@@ -493,17 +504,18 @@ def _ds_rows(ds, tile):
 
 @gluon.jit
 def _consumer_split(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, p_smem,
-                    dst_smem, pd_ready, pd_free, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, DK, DV,
-                    stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale, tile):
+                    dst_smem, pd_ready, pd_free, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, DK,
+                    DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale,
+                    tile):
     """One warpgroup at d = 256, per key block: the block's 64 keys, columns ``WG · D/2 ...`` of their dK and dV.
     Per row tile it computes Sᵀ and dPᵀ for rows ``WG · 32 ...`` of the tile (the whole head dim), writes that half
     of Pᵀ and dSᵀ to shared memory, and once both warpgroups have, adds its columns of dV = Pᵀ dO and dK = dSᵀ Q over
     all 64 rows (two [64 keys, 32 rows] halves each). "pd_ready" counts the halves written, "pd_free" the
     warpgroups done reading them. dK and dV leave from registers, after K and V are released."""
     _blocks(_consumer_split_block, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready,
-             empty, p_smem, dst_smem, pd_ready, pd_free, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, DK, DV,
-             stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale),
-            num_tiles, tile)
+             empty, p_smem, dst_smem, pd_ready, pd_free, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles,
+             window_left, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale,
+             sm_scale), num_tiles, tile)
 
 
 @gluon.jit
@@ -511,8 +523,8 @@ def _consumer_split_block(tid, it, n, args, tile):
     """_consumer_split's key block ``tid``, the program's ``n``-th, its row tiles from the program's ``it``-th;
     returns the next block's ``it``."""
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, p_smem, dst_smem, pd_ready,
-     pd_free, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, DK, DV, stride_dkb, stride_dks, stride_dkh,
-     stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale) = args
+     pd_free, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, DK, DV, stride_dkb, stride_dks,
+     stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale) = args
     D: gl.constexpr = tile.HEAD_DIM
     HALF_D: gl.constexpr = D // 2
     BLOCK_M: gl.constexpr = tile.BLOCK_M
@@ -529,9 +541,10 @@ def _consumer_split_block(tid, it, n, args, tile):
     k = k_smem.reshape([tile.BLOCK_N, D])
     v = v_smem.reshape([tile.BLOCK_N, D])
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group,
-                                                                 num_tiles, tile)
+                                                                 num_tiles, window_left, tile)
     keys = n0 + gl.arange(0, tile.BLOCK_N, layout=gl.SliceLayout(1, st_layout))
     full_from = n0 + tile.BLOCK_N - 1 - diag  # row tiles starting here see every key of the block
+    win_from = n0 - diag + window_left + 1  # WINDOW: rows from here on do not see the block's first key
     dk = gl.zeros([tile.BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
     dv = gl.zeros([tile.BLOCK_N, HALF_D], gl.float32, layout=kv_layout)
     mbarrier.wait(kv_bar, n & 1)
@@ -554,6 +567,10 @@ def _consumer_split_block(tid, it, n, args, tile):
             if m < full_from:
                 rows = m + tile.WG * HALF_M + gl.arange(0, HALF_M, layout=stats)
                 pt = gl.where(keys[:, None] <= rows[None, :] + diag, pt, 0.0)
+        if tile.WINDOW:
+            if m + tile.WG * HALF_M + HALF_M > win_from:
+                rows = m + tile.WG * HALF_M + gl.arange(0, HALF_M, layout=stats)
+                pt = gl.where(keys[:, None] >= rows[None, :] + (diag - window_left), pt, 0.0)
         dst = pt * (dpt - delta_smem.index(stage).slice(tile.WG * HALF_M, HALF_M).load(stats)[None, :])
         mbarrier.wait(pd_free, (g & 1) ^ 1)  # both warpgroups read the last tile's halves (a fresh barrier passes)
         p_smem.index(tile.WG).store(pt.to(dtype))
@@ -706,8 +723,8 @@ def _stage_dq(dq, dq_smem, dq_full, dq_empty, t, valid, tile):
 
 
 @gluon.jit
-def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, rows_per_batch, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles,
-               tile):
+def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, rows_per_batch, seqlen_q, seqlen_k, heads_kv, head_group,
+               num_tiles, window_left, tile):
     """ORDERED, one warp: the program's dQ tiles into the float32 accumulator in a fixed order. Each (batch, head, row
     tile) has a counter in ``SEM`` (int32, zeroed) of the adds landed; the writer waits until it reaches this program's
     turn (``_turn``), issues one TMA copy of both warpgroups' parts (a tile's first turn stores, so the accumulator
@@ -723,7 +740,8 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, rows_per_batch, seqlen_q, se
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(gl.program_id(0), seqlen_q, seqlen_k, heads_kv,
-                                                                 head_group, num_tiles, tile)  # one block a program
+                                                                 head_group, num_tiles, window_left,
+                                                                 tile)  # one block a program
     n_tiles = row_tiles * tile.GROUP
     q_tiles = rows_per_batch // BLOCK_M
     heads_q = heads_kv * tile.GROUP
@@ -846,7 +864,7 @@ def _placeholder(d: int, device) -> tuple:
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None,
-                dq_sem=None, head_group: int = 1):
+                dq_sem=None, head_group: int = 1, window_left: int | None = None):
     """dK and dV of ``q [B, Sq, Hq, D]``, ``k``/``v [B, Sk, Hkv, D]``, ``do [B, Sq, Hq, D]`` with the forward's lse and
     delta (``[B, Hq, Sq]``, last dim contiguous; from the dQ kernel, or from the preprocess kernel before a fused dQ)
     into ``dk``/``dv`` (any float dtype, last dim contiguous; by TMA stores where ``stores_by_tma``, else from
@@ -858,7 +876,12 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     (batch, kv head) columns launched interleaved (``_configs.bwd_head_group``; 1 for ``dq_ordered``, whose waits need a
     head's programs launched together). Returns ``(grid, Relaunch or None)``: with ``keep``, the launch kept for repeats
     with new arrays (``descriptors(q, k, v, do, dk, dv, tile), lse, delta, dk, dv, dq_descriptor(dq_acc, ...),
-    semaphores(dq_sem, ...)``, placeholders where not fused or not ordered)."""
+    semaphores(dq_sem, ...)``, placeholders where not fused or not ordered). ``window_left``: a causal window's left
+    side (query i sees keys i + Sk - Sq - window_left ... i + Sk - Sq): a key block's programs skip the row tiles past
+    its window and mask those crossing its edge; None without a window."""
+    if window_left is not None and not (causal and window_left >= 0):
+        raise ValueError(f"window_left: the Hopper dK/dV kernel runs causal windows with a left side >= 0, not "
+                         f"{window_left} with causal={causal}")
     if q.shape[-1] not in HEAD_DIMS:
         raise ValueError(f"q: the Hopper dK/dV kernel is built for head dims {HEAD_DIMS}, not {q.shape[-1]}")
     for name, x in (("dk", dk), ("dv", dv)):
@@ -892,8 +915,10 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     blocks = cdiv(sk, tile.block_n)  # key blocks per (batch, kv head)
     num_tiles = blocks * b * hkv
     group = 1 if tile.dq_ordered else head_group
-    grid = (programs(sq, sk, b * hkv, hq // hkv, causal, tile.block_m, tile.block_n, group, _sm_count(q.device))
-            if tile.persistent else num_tiles,)
+    if window_left is not None:  # sides past Sq + Sk reach every key: clamped there, int32 sums cannot overflow
+        window_left = min(window_left, sq + sk)
+    grid = (programs(sq, sk, b * hkv, hq // hkv, causal, tile.block_m, tile.block_n, group, _sm_count(q.device),
+                     window_left) if tile.persistent else num_tiles,)
     q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc = descriptors(q, k, v, do, dk, dv, tile)
     rows_per_batch = cdiv(sq, tile.block_m) * tile.block_m
     if dq_acc is not None and (dq_acc.shape != (b, rows_per_batch, hq, d) or not dq_acc.is_contiguous()
@@ -914,26 +939,28 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse, delta, dk, dv, dq_arg, semaphores(dq_sem, q.device),
         lse.stride(0), lse.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), rows_per_batch,
-        sq, sk, hkv, scale * LOG2E, scale, group, num_tiles,
+        sq, sk, hkv, scale * LOG2E, scale, group, num_tiles, window_left or 0,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
         GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, ORDERED=tile.dq_ordered, TMA_OUT=stores_by_tma(q, dk, dv, tile),
         LAST_BLOCK_FIRST=tile.last_block_first and causal, EARLY_DV=tile.early_dv, PERSISTENT=tile.persistent,
-        num_warps=4,
+        WINDOW=window_left is not None, num_warps=4,
     )
     return grid, kept
 
 
 @functools.lru_cache(maxsize=256)
 def programs(seqlen_q: int, seqlen_k: int, columns: int, group: int, causal: bool, block_m: int, block_n: int,
-             head_group: int, sms: int) -> int:
+             head_group: int, sms: int, window_left: int | None = None) -> int:
     """A persistent launch's program count over key blocks of ``columns`` (batch, kv head) columns in launch order
     (``_key_block``: ``tile_of``, groups of ``head_group`` columns, block 0 first), a block costing its row tiles
     (of the ``group`` heads) plus 2: what a program's fixed work cost against a row tile at d = 128 (NOTES v22).
-    ``balanced_programs`` picks the count."""
+    ``balanced_programs`` picks the count. ``window_left``: a causal window's left side, as ``launch_dkdv`` takes it
+    (a block's rows end at its last key's window, ``_key_block``)."""
     num_n = cdiv(seqlen_k, block_n)
     n0 = np.arange(num_n) * block_n
     lo = np.maximum(n0 - (seqlen_k - seqlen_q), 0) // block_m * block_m if causal else np.zeros(num_n, dtype=np.int64)
-    cost = np.maximum(-(-(seqlen_q - lo) // block_m), 0) * group + 2.0
+    end = seqlen_q if window_left is None else np.minimum(seqlen_q, n0 + block_n - (seqlen_k - seqlen_q) + window_left)
+    cost = np.maximum(-(-(end - lo) // block_m), 0) * group + 2.0
     per_group = head_group * num_n
 
     def cost_of(t):  # tile t's key block: tile_of's t % per_group // (its group's columns; the last group may be short)
