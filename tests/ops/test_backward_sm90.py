@@ -347,7 +347,7 @@ for case in ((128, False, False, False, False, 0), (64, True, False, False, Fals
              (128, True, True, False, False, 1), (64, False, False, False, True, 1),
              (256, True, False, False, False, 1), (64, False, True, False, False, 64),
              (128, True, True, True, False, 0, 37), (64, True, True, False, False, 0, 300),
-             (256, True, False, False, False, 0, 128)):  # the last three: windows
+             (256, True, False, False, False, 0, 128), (64, True, False, False, False, 1, 300)):  # windows
     d, causal, fused, ordered, wide, rows, *left = case
     tile = fused_dq_tile(d, ordered, causal=causal) if fused else _BWD_WS_DKDV[d]
     if rows == 1:  # persistent
@@ -392,13 +392,15 @@ def test_kernel_compiles_for_sm90():
     turn (rows of one head) (and the same matmuls, in either causal launch order); dK and dV by TMA stores from 64-row
     tiles at d = 64 and 128 into outputs of q's dtype, from registers at d = 256, from 128-row tiles and into float32
     outputs; the fused tiles of d = 128 non-causal (``early_dv``, BWD_EARLY_DV) wait for Sᵀ with dPᵀ still in flight, no
-    other tile does; persistent tiles (cases 14-16) the same matmuls and stores; causal windows (the last three: the
-    ordered fused dQ at d = 128, the unordered one at d = 64, d = 256's split tile) those of their causal tiles."""
+    other tile does; persistent tiles (cases 14-16) the same matmuls and stores; causal windows (the last four: the
+    ordered fused dQ at d = 128, the unordered one at d = 64, d = 256's split tile, d = 64's persistent plain tile)
+    those of their causal tiles."""
     out = _compiled(_COMPILE)
     rows = ["128 48 0 0 1 0 0", "64 32 0 0 1 0 0", "128 80 1 0 1 0 0", "64 80 1 0 0 0 0", "256 80 0 0 0 0 0",
             "256 80 0 0 0 0 0", "128 80 1 1 1 1 1", "64 80 1 1 0 1 0", "128 80 1 1 0 1 0", "64 48 0 0 0 0 0",
             "128 80 1 1 1 1 0", "128 80 1 0 1 0 1", "128 80 1 0 1 0 0", "64 32 0 0 0 0 0", "256 80 0 0 0 0 0",
-            "64 64 1 0 1 0 0", "128 80 1 1 1 1 0", "64 80 1 0 0 0 0", "256 80 0 0 0 0 0", "tiny"]
+            "64 64 1 0 1 0 0", "128 80 1 1 1 1 0", "64 80 1 0 0 0 0", "256 80 0 0 0 0 0", "64 32 0 0 1 0 0",
+            "tiny"]
     assert out.stdout.split() == " ".join(rows).split(), out.stdout
 
 
@@ -854,3 +856,37 @@ def test_causal_windows_match_oracle(shape, persistent, window, d, fused, ordere
     base = _baseline_grads(q, k, v, do, True, window=window)
     for name, got, want, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), exact, base):
         R.assert_within_rule(name, got, want, ref, "bfloat16")
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d,fused,ordered", [(64, True, True), (128, True, True), (128, True, False),
+                                             (256, False, False)],
+                         ids=["64-ordered-dq", "128-ordered-dq", "128-fused-dq", "256"])
+@pytest.mark.parametrize("sinks", [False, True], ids=["no-sinks", "sinks"])
+@pytest.mark.parametrize("shape", [(2, 300, 40, 4, 2), (2, 129, 17, 4, 4), (1, 700, 300, 6, 2)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_non_causal_window_with_right_side_0_zeroes_unseen_rows(shape, sinks, d, fused, ordered, monkeypatch):
+    """A non-causal call whose window's right side is 0 runs the causal launch: with Sq > Sk its rows above every
+    key's diagonal see no key, and the ordered accumulator's row tiles there must be zeroed as under causal
+    (``_dq_accumulator`` gets the launch's causal flag; its memory here is NaN-filled); with sinks too (through lse
+    alone: lse = the sink on those rows)."""
+    b, sq, sk, hq, hkv = shape
+    g = torch.Generator().manual_seed(sum(shape) + d + sinks)
+    q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", torch.bfloat16)
+                   for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+    sink = torch.randn(hq, generator=g).cuda() if sinks else None
+    mods = Mods(window_left=37, window_right=0, sinks=sink)
+    o, lse = F.forward(q, k, v, d**-0.5, False, mods=mods)
+    tile = fused_dq_tile(d, ordered, causal=True) if fused else _BWD_WS_DKDV[d]
+    cfg = replace(bwd_config(d, d, torch.bfloat16, "cuda", causal=True), dkdv=tile)
+    made = B._dq_accumulator
+    monkeypatch.setattr(B, "_dq_accumulator", lambda *a: _nan_scratch(made, *a))
+    dq, dk, dv = B.gradients(do, q, k, v, o, lse, d**-0.5, False, config=cfg, mods=mods,
+                             deterministic=ordered or not fused)[:3]
+    kw = dict(causal=False, window_size=(37, 0), sinks=sink)
+    exact = R.naive_attention_grads(q, k, v, do, **kw)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    R.torch_math_attention(*leaves, **kw)[0].backward(do)
+    for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), leaves):
+        R.assert_within_rule(name, got, exact[name], ref.grad, "bfloat16")

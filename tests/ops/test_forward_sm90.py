@@ -302,7 +302,8 @@ for d, causal, band, sinks, cfg in ((128, True, (37, 0), None, _FWD_WS[True][128
                                     (128, False, (300, 77), None, _FWD_WS[True][128]),
                                     (64, False, (64, 2**30), None, _FWD_WS_WIDE[True]),
                                     (128, True, None, torch.zeros(8), _FWD_WS[True][128]),
-                                    (256, False, (37, 0), torch.zeros(8), _FWD_WS[True][256])):
+                                    (256, False, (37, 0), torch.zeros(8), _FWD_WS[True][256]),
+                                    (64, True, (1023, 0), torch.zeros(8), _FWD_WS_WIDE[True])):
     q = torch.randn(2, 300, 8, d, dtype=torch.bfloat16)
     k = torch.randn(2, 300, 2, d, dtype=torch.bfloat16)
     o, lse = torch.empty_like(q), torch.empty(2, 8, 300)
@@ -319,9 +320,10 @@ def test_window_kernel_compiles_for_sm90():
     """A window compiles for sm_90 as a causal launch: the same matmul sites as ``test_kernel_compiles_for_sm90``'s
     causal cases (8 x (8 + 8) at d = 128, plus warpgroup 0's half-width diagonal (24) where a causal window's
     diagonal falls on a block boundary, none where a window's right side moves it; d = 64's 192-row tile 12 x
-    (4 + 8)); sinks, alone (causal, d = 128) or with a window (d = 256, 64-key blocks: 8 x (16 + 4)), add none."""
+    (4 + 8)); sinks, alone (causal, d = 128) or with a window (d = 256, 64-key blocks: 8 x (16 + 4); d = 64's 192-row
+    tile), add none."""
     assert _compiled(_COMPILE_WINDOW).stdout.split() == ["128", "152", "128", "128", "64", "144", "128", "152", "256",
-                                                         "160"]
+                                                         "160", "64", "144"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -961,13 +963,15 @@ def test_sinks_match_oracle(shape, persistent, window, causal, d, monkeypatch):
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "x".join(map(str, s)))
 def test_sink_tile_kinds_match_oracle(shape, window, kind, monkeypatch):
     """The table's other causal tiles with sinks, over 3 persistent programs: with lazy rescaling a row keeps the
-    sink as its max until a score passes it by 2^8."""
+    sink as its max until a score passes it by 2^8 (q scaled 4x, so rows do pass it); bf16 sinks on the wide tile
+    (the kernel reads them as float32 from the host's copy)."""
     monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
     monkeypatch.setattr(F, "_STEPS", {})
     d, cfg = _causal_tile_kind(kind)
     b, sq, sk, hq, hkv = shape
-    q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, torch.bfloat16, seed=sum(shape) + d + sum(window), device="cuda")
-    sinks = _sinks(hq, sum(shape))
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, torch.bfloat16, seed=sum(shape) + d + sum(window), device="cuda",
+                      q_scale=4.0 if kind == "lazy" else 1.0)  # lazy: rows take new maxima past the sink by 2^8
+    sinks = _sinks(hq, sum(shape)).to(torch.bfloat16 if kind == "wide" else torch.float32)
     o, lse = _run_poisoned(q, k, v, True, config=replace(cfg, persistent=True), window=window, sinks=sinks)
     _check(q, k, v, True, o, lse, window=window, sinks=sinks)
 
@@ -1006,3 +1010,21 @@ def test_sink_calls_take_the_hopper_kernel(window, causal, d, monkeypatch):
                              deterministic=deterministic).backward(do)
         for name, x, b in zip(("dq", "dk", "dv", "dsinks"), ours, base):
             R.assert_within_rule(name, x.grad, exact[name], b.grad, "bfloat16")
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_sink_of_minus_inf_is_no_sink(shape, causal, d, monkeypatch):
+    """A sink of -inf joins as nothing: o and lse bitwise those of the plain kernel (the first block's alpha is 0
+    against l = 1, as against l = 0), rows that see no key included (lse = -inf, o = 0)."""
+    monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: 3)
+    monkeypatch.setattr(F, "_STEPS", {})
+    b, sq, sk, hq, hkv = shape
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, torch.bfloat16, seed=sum(shape) + causal + d, device="cuda")
+    cfg = replace(_FWD_WS[causal][d], persistent=True)
+    plain = _run_poisoned(q, k, v, causal, config=cfg)
+    sunk = _run_poisoned(q, k, v, causal, config=cfg, sinks=torch.full((hq,), float("-inf"), device="cuda"))
+    assert torch.equal(sunk[0], plain[0]) and torch.equal(sunk[1], plain[1])

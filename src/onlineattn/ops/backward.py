@@ -540,8 +540,9 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
             raise ValueError("config: a fused_dq tile without dq_ordered sums dQ in no fixed order; it needs "
                              "deterministic=False and torch's deterministic algorithms off")
         if cfg.dkdv.gluon and not hopper:
-            raise ValueError("config: a gluon dK/dV tile runs only plain half-precision calls on sm_90 with equal "
-                             "head dims of 64, 128 or 256 (backward_sm90.HEAD_DIMS) and TMA-aligned q, k, v and do")
+            raise ValueError("config: a gluon dK/dV tile runs only plain half-precision calls (or with sinks and a "
+                             "window whose right side is 0) on sm_90 with equal head dims of 64, 128 or 256 "
+                             "(backward_sm90.HEAD_DIMS) and TMA-aligned q, k, v and do")
         if cfg.dq.split_scores:  # measured slower at every tile tried (NOTES v8), so the dQ kernel has no branch
             raise ValueError("config: split_scores applies to the dK/dV tile only, not to config.dq")
         group = hq // hkv
@@ -644,7 +645,8 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
         strides_dq, strides_lse, strides_o = (0, *strides_dq[1:]), (0, strides_lse[1]), (0, *strides_o[1:])
     variants = variant_args(mods, causal, scale, b, hq, sq, sk)
     band = mods.band(causal)  # a causal window (right = 0) where a gluon tile runs (ws_ok): its causal launch
-    hopper = dict(causal=causal or band is not None, window_left=None if band is None else band[0])
+    hopper = dict(causal=causal or band is not None,  # a left side reaching every key is plain causal
+                  window_left=None if band is None or band[0] >= sq + sk else band[0])
     scalars = (sq, sk, hkv, scale * LOG2E, scale)
     head_group = bwd_head_group(b * hkv, common["CAUSAL"])
     t = cfg.dkdv

@@ -21,9 +21,11 @@ and the group's sum of dK and dV stays in registers (no atomics, deterministic),
 kernel, after whose dQ kernel (which computes delta) this one runs (with ``fused_dq``, below, after the preprocess
 kernel). dK and dV leave by TMA stores staged in each warpgroup's own K and V rows, free once both warpgroups are
 past the block's last matmul, where ``stores_by_tma`` holds (64-row tiles at d = 64/128, outputs of q's dtype,
-aligned); otherwise (d = 256, 128-row tiles, float32 outputs) from registers. Plain attention only:
-float16/bfloat16, equal head dims (64, 128 or 256), TMA-able strides; ``backward.py`` routes a launch here when
-``bwd_config`` picks a ``gluon`` dK/dV tile.
+aligned); otherwise (d = 256, 128-row tiles, float32 outputs) from registers. Plain attention, or with sinks
+(through lse alone) and causal windows (``WINDOW``: a key block's row tiles end where its last key leaves their
+windows, ``_key_block``; rows crossing its first key's window edge are masked): float16/bfloat16, equal head dims
+(64, 128 or 256), TMA-able strides; ``backward.py`` routes a launch here when ``bwd_config`` picks a ``gluon``
+dK/dV tile.
 
 A ``persistent`` tile launches at most one program per SM (``programs``: of 3/4 of the SMs to all of them, the count
 whose busiest program has the least work), each taking key blocks in turn in the forward's snake order
@@ -692,9 +694,13 @@ def _dq_coord(row0, head, wg, tile):
 @gluon.jit
 def _row_tile(t, lo, row_tiles, shift, tile):
     """The ``t``-th row tile a program takes -> (its head within the GQA group, its first row): heads in turn, each
-    over its row tiles from ``lo``; ORDERED non-causal programs start ``shift`` tiles in and wrap around."""
+    over its row tiles from ``lo``; ORDERED non-causal programs start ``shift`` tiles in and wrap around. (Under
+    WINDOW a key block may have no row tile, and its last dQ hand-over, not valid, still asks for one: divided by
+    at least 1.)"""
     if tile.ORDERED and not tile.CAUSAL:
         t = (t + shift) % gl.maximum(row_tiles * tile.GROUP, 1)
+    if tile.WINDOW:
+        row_tiles = gl.maximum(row_tiles, 1)
     return t // row_tiles, lo + (t % row_tiles) * tile.BLOCK_M
 
 

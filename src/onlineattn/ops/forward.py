@@ -329,14 +329,14 @@ def forward(q, k, v, scale: float, causal: bool, *, out=None, lse_out=None, conf
                                                                                                    k.shape[-3]))
     if cfg.gluon:  # one launch: its grid is one-dimensional (tiles), with no grid-y limit to slice the batch for
         if not gluon_ok:  # only an explicit config gets here so: the table picks gluon only where it can run
-            raise ValueError("config: a gluon tile runs only plain (or window-only) half-precision calls on sm_90 "
-                             "with equal head dims, "
+            raise ValueError("config: a gluon tile runs only plain (or window and sinks only) half-precision calls "
+                             "on sm_90 with equal head dims, "
                              "a positive scale, TMA-aligned q, k, v and out, and out of q's dtype")
         check_int32_offsets(lse=lse)  # the kernel's offsets within a batch entry are int32 (Q, K, V and O go by TMA)
         keep = mods is PLAIN and launch_cache.enabled  # kept: a repeat skips the routing above (_repeat)
         band, sinks = (None, None) if mods is PLAIN else (mods.band(causal), mods.sinks)  # what ws_ok lets through
         grid, kept = forward_sm90.launch(q, k, v, o, lse, scale, causal, cfg, keep=keep, band=band,  # a 1-D grid
-                                         sinks=None if sinks is None else sinks.contiguous())
+                                         sinks=None if sinks is None else sinks.float().contiguous())
         if keep:
             bounded_put(_STEPS, _step_key(q, k, v, o, lse, scale, causal, config), (cfg, True, grid, kept), _MAX_STEPS)
         return o, lse

@@ -35,10 +35,12 @@ key blocks start at the block holding its first row's left edge (``_key0``: bloc
 ``_softmax`` also masks blocks that start left of a warpgroup's last row's left edge. Every warpgroup of a tile
 computes from that first block (a later warpgroup's rows may see none of it: masked, as a row that sees no key yet).
 
-Plain attention, or a sliding window as the only variant: float16/bfloat16, equal head dims for K and V (64, 128 or
-256), a positive scale, strides a TMA descriptor accepts. ``forward.py`` routes a launch here when ``fwd_config``
-picks a ``gluon`` tile (``ops/_configs.py`` says where it was measured faster); everything else runs the Triton
-kernel.
+With ``SINK`` a tile's first block starts each row from its head's sink (m = sink, l = 1: a first key with no value).
+
+Plain attention, or with a sliding window and/or sinks as its only variants: float16/bfloat16, equal head dims for K
+and V (64, 128 or 256), a positive scale, strides a TMA descriptor accepts. ``forward.py`` routes a launch here when
+``fwd_config`` picks a ``gluon`` tile (``ops/_configs.py`` says where it was measured faster); everything else runs
+the Triton kernel.
 Gluon has no interpreter, so CI compiles this kernel for sm_90 (tests/ops/test_forward_sm90.py) and the GPU suite
 runs it.
 """
@@ -807,6 +809,9 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False,
                          f"causal tile's first warpgroups may skip a block, _skip), not {cfg}")
     if o.dtype != q.dtype:
         raise ValueError(f"o: the Hopper kernel stores O by TMA in q's dtype {q.dtype}, not {o.dtype}")
+    if sinks is not None and (sinks.shape != (q.shape[2],) or not sinks.is_contiguous() or sinks.device != q.device):
+        raise ValueError(f"sinks: a contiguous [Hq] = [{q.shape[2]}] tensor on {q.device}, not {tuple(sinks.shape)} on "
+                         f"{sinks.device}")
     b, sq, hq, d = q.shape
     if shared_bytes(d, cfg) > SHARED_BYTES:
         raise ValueError(f"config: {cfg} needs {shared_bytes(d, cfg)} bytes of shared memory at d = {d}; an SM has "
