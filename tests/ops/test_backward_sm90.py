@@ -832,14 +832,15 @@ def test_window_left_needs_a_causal_launch():
 def test_causal_windows_match_oracle(shape, persistent, window, d, fused, ordered, monkeypatch):
     """dK, dV and dQ of each dQ path under a causal window (the Hopper forward's o and lse, or the Triton
     forward's where it does not run the window), one program per key block or 3 persistent programs (not the
-    ordered tiles: their programs wait on one another), against the oracle under the §3 rule: row tiles past a
-    block's window skipped, those crossing its edge masked, the ordered adds' turns from each row tile's first
-    block."""
+    ordered tiles: their programs wait on one another, so all of a head's must be resident: the device's SMs),
+    against the oracle under the §3 rule: row tiles past a block's window skipped, those crossing its edge masked,
+    the ordered adds' turns from each row tile's first block."""
     from onlineattn.ops import backward_sm90
 
     if persistent and ordered:
         pytest.skip("dq_ordered tiles take one key block a program")
-    monkeypatch.setattr(backward_sm90, "_sm_count", lambda device: 3)
+    if not ordered:
+        monkeypatch.setattr(backward_sm90, "_sm_count", lambda device: 3)
     monkeypatch.setattr(B.launch_cache, "enabled", False)
     b, sq, sk, hq, hkv = shape
     dtype = torch.bfloat16
