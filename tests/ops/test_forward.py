@@ -80,6 +80,26 @@ def test_fully_masked_rows_are_zero_with_neg_inf_lse():
     assert torch.isfinite(lse[:, :, hidden:]).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=_name)
+@pytest.mark.parametrize("window", [(0, 0), (5, 0), (3, 9)], ids=str)
+def test_rows_past_an_empty_block_keep_their_true_max(window, dtype):
+    """A row whose first key block hides all its keys (a window's left edge, Sq < Sk) starts its running max at
+    -inf, not 0: with every score near -128 (2^-184 in float32) a max held at 0 would flush p and l to 0 and give
+    o = 0, lse = -inf; the row's one key under a (0, 0) window must give o = v bitwise (p = 2^0). Half precision
+    only: float32's rule (1e-5 of max |o|) is finer than the rounding of scores this large (|s log2 e| ~ 2^7.5)."""
+    b, sq, sk, h, d = 1, 70, 100, 2, 64
+    g = torch.Generator().manual_seed(3)
+    q = (4.0 + 0.1 * torch.randn(b, sq, h, d, generator=g)).to(DEVICE, dtype)
+    k = (-4.0 + 0.1 * torch.randn(b, sk, h, d, generator=g)).to(DEVICE, dtype)
+    v = torch.randn(b, sk, h, d, generator=g).to(DEVICE, dtype)
+    cfg = fwd_config(d, d, dtype, True, DEVICE, seqlen_q=sq, seqlen_k=sk, variants=True, ws_ok=False)
+    o, lse = _run_poisoned(q, k, v, True, config=cfg, window=window)
+    assert torch.isfinite(lse).all()
+    _check(q, k, v, True, o, lse, window=window)
+    if window == (0, 0):
+        assert torch.equal(o, v[:, sk - sq:])
+
+
 def test_non_contiguous_inputs_and_explicit_scale():
     base_q, base_k, base_v = _inputs(2, 37, 53, 8, 4, 128, 128, torch.float16, seed=2)
     q = base_q[:, :, ::2, :64]  # every other head, first half of the head dim

@@ -29,8 +29,9 @@ def online_softmax_step(qk, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
     """One key block of the recurrence. ``qk`` holds raw scores ``[BLOCK_M, BLOCK_N]`` in float32 (hidden entries
     already ``-inf`` when ``MASKED``). Returns ``(p, m_new, l_new, acc_rescaled)``; the caller adds ``p @ v`` to acc.
 
-    Only a masked block can leave a row with no visible key so far (``m_new = -inf``); there the max is replaced by 0
-    so that ``2^(-inf - 0) = 0`` rather than NaN. Unmasked blocks skip that select.
+    Only a masked block can leave a row with no visible key so far (``m_new = -inf``); there 0 is subtracted in the
+    max's place, so that ``2^(-inf - 0) = 0`` rather than NaN, and the max stays -inf. Unmasked blocks skip that
+    select.
     """
     p, m_new, l_new, alpha = softmax_probs(qk, m_i, l_i, qk_scale, MASKED)
     return p, m_new, l_new, acc * alpha[:, None]
@@ -41,10 +42,13 @@ def softmax_probs(qk, m_i, l_i, qk_scale, MASKED: tl.constexpr):
     """``online_softmax_step`` without touching the accumulator: ``(p, m_new, l_new, alpha)``, where the caller owes
     ``acc * alpha`` before adding ``p @ v``. Lets a kernel defer that rescale (see the forward's pipelined loop)."""
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    m_use = m_new
     if MASKED:
-        m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(qk * qk_scale - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+        # The 0 stands in for the subtraction only: kept as the running max, it would outlast the empty block and
+        # hold a later max of all-negative scores at 0 (p = 2^s, flushed to 0 below s = -126: o = 0, lse = -inf).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
     l_new = l_i * alpha + tl.sum(p, 1)
     return p, m_new, l_new, alpha
 
