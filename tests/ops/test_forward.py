@@ -80,22 +80,52 @@ def test_fully_masked_rows_are_zero_with_neg_inf_lse():
     assert torch.isfinite(lse[:, :, hidden:]).all()
 
 
+def _empty_first_block_call(case, sq, sk, h, device, dtype):
+    """A call in which some rows see no key in their first key block(s) and keys after: ``(kwargs, hidden rows)``."""
+    if case == "left-padding bias":
+        bias = torch.zeros(1, 1, sq, sk)
+        bias[:, :, 0::2, :40] = float("-inf")  # a left-padding mask over the first key blocks of the even rows
+        bias[:, :, 1, 10:50] = float("-inf")  # visible, hidden, visible
+        bias[:, :, 3] = float("-inf")  # a row that sees nothing: o = 0, lse = -inf
+        return dict(attn_bias=bias.to(device, dtype)), [3]
+    if case == "window, sink -inf":
+        return dict(window_size=(5, 0), sinks=torch.full((h,), float("-inf"), device=device)), []
+    return dict(window_size={"window (0, 0)": (0, 0), "window (5, 0)": (5, 0), "window (3, 9)": (3, 9)}[case]), []
+
+
 @pytest.mark.parametrize("dtype", DTYPES[1:], ids=_name)
-@pytest.mark.parametrize("window", [(0, 0), (5, 0), (3, 9)], ids=str)
-def test_rows_past_an_empty_block_keep_their_true_max(window, dtype):
-    """A row whose first key block hides all its keys (a window's left edge, Sq < Sk) starts its running max at
-    -inf, not 0: with every score near -128 (2^-184 in float32) a max held at 0 would flush p and l to 0 and give
-    o = 0, lse = -inf; the row's one key under a (0, 0) window must give o = v bitwise (p = 2^0). Half precision
-    only: float32's rule (1e-5 of max |o|) is finer than the rounding of scores this large (|s log2 e| ~ 2^7.5)."""
+@pytest.mark.parametrize("level", [4.0, 1.5], ids=["scores -128", "scores -18"])
+@pytest.mark.parametrize("pipeline", [False, True], ids=["plain loop", "pipelined"])
+@pytest.mark.parametrize("case", ["window (0, 0)", "window (5, 0)", "window (3, 9)", "left-padding bias",
+                                  "window, sink -inf"])
+def test_rows_past_an_empty_block_keep_their_true_max(case, pipeline, level, dtype):
+    """A row whose first key block hides all its keys (a window's left edge with Sq < Sk, a left-padding bias)
+    starts its running max at -inf, not 0. Held at 0, the max made p = 2^s rather than 2^(s - max): with every score
+    near -18 (natural log) p flushed to 0 in the 16-bit P·V operand while l kept it (o = 0 with a finite lse), and
+    near -128 p and l flushed in float32 (o = 0, lse = -inf). The row's one key under a (0, 0) window gives o = v
+    bitwise (p = 2^0). Half precision only: float32's rule (1e-5 of max |o|) is finer than the rounding of scores
+    of -128 (|s log2 e| ~ 2^7.5) for any kernel."""
     b, sq, sk, h, d = 1, 70, 100, 2, 64
     g = torch.Generator().manual_seed(3)
-    q = (4.0 + 0.1 * torch.randn(b, sq, h, d, generator=g)).to(DEVICE, dtype)
-    k = (-4.0 + 0.1 * torch.randn(b, sk, h, d, generator=g)).to(DEVICE, dtype)
+    q = (level + 0.1 * torch.randn(b, sq, h, d, generator=g)).to(DEVICE, dtype)
+    k = (-level + 0.1 * torch.randn(b, sk, h, d, generator=g)).to(DEVICE, dtype)
     v = torch.randn(b, sk, h, d, generator=g).to(DEVICE, dtype)
-    cfg = fwd_config(d, d, dtype, True, DEVICE, seqlen_q=sq, seqlen_k=sk, variants=True, ws_ok=False)
-    o, lse = _run_poisoned(q, k, v, True, config=cfg, window=window)
-    assert torch.isfinite(lse).all()
-    _check(q, k, v, True, o, lse, window=window)
+    kw, hidden = _empty_first_block_call(case, sq, sk, h, DEVICE, dtype)
+    causal = "window" in case
+    window = kw.get("window_size", (-1, -1))
+    mods = Mods(window_left=window[0], window_right=window[1], attn_bias=kw.get("attn_bias"), sinks=kw.get("sinks"))
+    cfg = fwd_config(d, d, dtype, causal, DEVICE, seqlen_q=sq, seqlen_k=sk, variants=True, ws_ok=False)
+    cfg = replace(cfg, block_n=32, pipeline=True) if pipeline else cfg
+    o = torch.full_like(q, float("nan"))
+    lse = torch.full((b, h, sq), float("nan"), device=DEVICE)
+    F.forward(q, k, v, d**-0.5, causal, out=o, lse_out=lse, config=cfg, mods=mods)
+    seen = [i for i in range(sq) if i not in hidden]
+    assert torch.isfinite(lse[:, :, seen]).all() and (o[:, seen].abs().amax(dim=-1) > 0).all()
+    assert (lse[:, :, hidden] == float("-inf")).all() and (o[:, hidden] == 0).all()
+    exact_o, exact_lse = R.naive_attention(q, k, v, causal=causal, return_lse=True, **kw)
+    base_o, base_lse = R.torch_math_attention(q, k, v, causal=causal, **kw)
+    R.assert_within_rule("o", o, exact_o, base_o, _name(dtype))
+    R.assert_within_rule("lse", lse, exact_lse, base_lse, _name(dtype))
     if window == (0, 0):
         assert torch.equal(o, v[:, sk - sq:])
 

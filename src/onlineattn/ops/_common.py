@@ -31,7 +31,8 @@ def online_softmax_step(qk, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr):
 
     Only a masked block can leave a row with no visible key so far (``m_new = -inf``); there 0 is subtracted in the
     max's place, so that ``2^(-inf - 0) = 0`` rather than NaN, and the max stays -inf. Unmasked blocks skip that
-    select.
+    select, so a row may enter one with ``m_i = -inf`` only because every row sees a key there (finite scores, since
+    a bias makes every block masked): ``alpha = 2^(-inf - m) = 0`` scales an accumulator that is still 0.
     """
     p, m_new, l_new, alpha = softmax_probs(qk, m_i, l_i, qk_scale, MASKED)
     return p, m_new, l_new, acc * alpha[:, None]
