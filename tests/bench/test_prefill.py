@@ -71,6 +71,32 @@ def test_window_flops_count_the_band():
     assert case.flops("fwd", window=16384) == full + 4.0 * 16 * 128 * 16384 / 2  # the diagonal counted whole
 
 
+def test_sinks_option_adds_a_provider_whose_rows_say_so(monkeypatch, capsys):
+    """``--sinks``: the provider ``onlineattn-sinks`` joins at every case with the case's FLOPs, its rows carry
+    ``"sinks": true``, the table gives its time against the call without sinks, and its per-head logits are made
+    once (no call times their creation) and passed to ``attention``."""
+    assert build_parser().parse_args(["bench", "prefill", "--sinks"]).sinks
+    assert not build_parser().parse_args(["bench", "prefill"]).sinks
+    monkeypatch.setattr(P, "_timed", lambda fn, mode, q, k, v, causal, cold: 2.0 if fn is P._ours_sinks else 1.0)
+    monkeypatch.setattr(P, "_inputs", lambda case, dtype: tuple(torch.zeros(1, case.n, 1, 1) for _ in range(3)))
+    cases = P.grid((64,), (512,), (False, True))
+    rows = P.run(cases, ["onlineattn"], ("fwd",), out=None, sinks=True)
+    assert [(r["provider"], r["causal"], r.get("sinks")) for r in rows] == [
+        ("onlineattn", False, None), (P.SINKS_PROVIDER, False, True), ("onlineattn", True, None),
+        (P.SINKS_PROVIDER, True, True)]
+    assert rows[1]["tflops"] == pytest.approx(rows[0]["tflops"] / 2)  # the same FLOPs, twice the time
+    assert capsys.readouterr().out.count("sinks: 2.000 ms = 2.000 x without 1.000 ms") == 2
+    logits = P._sink_logits(4, "cpu")
+    assert logits is P._sink_logits(4, "cpu") and logits.tolist() == pytest.approx([-1.0, -1 / 3, 1 / 3, 1.0])
+    import onlineattn.api
+
+    seen = {}
+    monkeypatch.setattr(onlineattn.api, "attention", lambda q, k, v, **kw: seen.update(kw) or q)
+    q = torch.zeros(1, 8, 4, 16)
+    P._ours_sinks(q, q, q, True)
+    assert seen["sinks"] is logits and seen["causal"] is True and seen["backend"] == "triton"
+
+
 def test_first_case_is_timed_once_and_dropped_before_the_grid(monkeypatch):
     """A fresh process's first timed point reads low (NOTES v25): every provider and mode times the first case once,
     unrecorded, before the grid; the rows are the grid's."""

@@ -79,12 +79,13 @@ def test_a_provider_timed_another_way_takes_its_colour_dashed_or_dotted():
     assert Rp.line_style("someone-new") == (None, "o-")
 
 
-def test_ratios_against_cudnn_pair_each_timing_and_skip_windows(tmp_path, capsys):
+def test_ratios_against_cudnn_pair_each_timing_and_skip_variant_rows(tmp_path, capsys):
     """Each onlineattn provider over sdpa-cudnn at each point, a +cold provider over sdpa-cudnn+cold; window rows
-    (band FLOPs) and points without a peer row are left out; ``--ratios`` prints the table and writes nothing, and
-    refuses (exit 2, naming the option) a commit or op with no such rows, and ``--commit`` without ``--ratios``."""
+    (band FLOPs), sink rows (a variant cuDNN does not run) and points without a peer row are left out; ``--ratios``
+    prints the table and writes nothing, and refuses (exit 2, naming the option) a commit or op with no such rows,
+    and ``--commit`` without ``--ratios``."""
     values = {"onlineattn": 330, "onlineattn-nondet": 345, "sdpa-cudnn": 300, "onlineattn+cold": 320,
-              "sdpa-cudnn+cold": 400, "onlineattn-window1024": 900}
+              "sdpa-cudnn+cold": 400, "onlineattn-window1024": 900, "onlineattn-sinks": 310}
     rows = [_row("ccc", "bwd", p, n, v) for p, v in values.items() for n in (1024, 2048)]
     rows.append(_row("ccc", "bwd", "onlineattn", 4096, 500))  # no peer row at 4096
     commit, ours, lines = Rp.ratios(rows, "bwd")

@@ -17,6 +17,10 @@ default timing reads the host. Every provider, SDPA's included, is timed the sam
 latest keys, itself included (``window_size=(W - 1, 0)``), timed in the same run as the full causal rows. Its rows
 carry ``"window": [W - 1, 0]`` and count the FLOPs of the visible pairs only, and the table prints its time as a
 fraction of full causal ``onlineattn`` (issue #6 asks for at most 1/8 at N = 16384, W = 1024).
+
+``--sinks`` adds the provider ``onlineattn-sinks``: the case's call with one sink logit per query head (gpt-oss's
+``s_aux``; fixed values spread over [-1, 1], not learned: the backward computes no dsinks), the same FLOPs as the
+case. Its rows carry ``"sinks": true``, and the table prints its time as a multiple of the same call without sinks.
 """
 
 from __future__ import annotations
@@ -98,6 +102,26 @@ def _ours_window(window: int):
 
 def window_provider(window: int) -> str:
     return f"onlineattn-window{window}"
+
+
+SINKS_PROVIDER = "onlineattn-sinks"
+
+
+def _ours_sinks(q, k, v, causal):
+    from ..api import attention
+
+    return attention(q, k, v, causal=causal, sinks=_sink_logits(q.shape[2], q.device), backend="triton")
+
+
+_SINK_LOGITS: dict = {}
+
+
+def _sink_logits(heads: int, device) -> torch.Tensor:
+    """The sinks of ``heads`` query heads, made once per (heads, device) so no call times their creation."""
+    key = (heads, str(device))
+    if key not in _SINK_LOGITS:
+        _SINK_LOGITS[key] = torch.linspace(-1.0, 1.0, heads, device=device)
+    return _SINK_LOGITS[key]
 
 
 def _causal_mod(b, h, q_idx, kv_idx):
@@ -227,14 +251,17 @@ def _settle(case: Case, fns: dict, modes, dtype, cold: bool = False) -> None:
 
 
 def run(cases, providers, modes, *, out: Path | None, commit: str | None = None, dtype=torch.bfloat16,
-        window: int | None = None, cold: bool = False):
+        window: int | None = None, sinks: bool = False, cold: bool = False):
     """Measure every (case, mode, provider) of the providers available here; print a table; append rows to ``out``.
-    Returns the rows. With ``window``, the provider ``onlineattn-window{window}`` (causal sliding window) joins;
-    with ``cold``, every provider's device work alone is timed and its rows are named ``+cold``."""
+    Returns the rows. With ``window``, the provider ``onlineattn-window{window}`` (causal sliding window) joins,
+    with ``sinks`` the provider ``onlineattn-sinks``; with ``cold``, every provider's device work alone is timed and
+    its rows are named ``+cold``."""
     env = environment(commit)
     fns = available(providers)
     if window is not None:
         fns[window_provider(window)] = _ours_window(window)
+    if sinks:
+        fns[SINKS_PROVIDER] = _ours_sinks
     rows = []
     suffix = "+cold" if cold else ""
     width = max([15] + [len(p + suffix) for p in fns])  # a column per provider, as wide as its name
@@ -271,12 +298,16 @@ def run(cases, providers, modes, *, out: Path | None, commit: str | None = None,
                     "B": case.b, "Hq": case.h, "Hkv": case.h, "Sq": case.n, "Sk": case.n, "d": case.d,
                     "causal": True if windowed else case.causal, "ms": round(ms, 5), "tflops": round(tflops, 2),
                     **({"window": [window - 1, 0]} if windowed else {}),
+                    **({"sinks": True} if name == SINKS_PROVIDER else {}),
                 })
             bar.print(f"{mode:6} {case.d:4} {int(case.causal):2} {case.n:6} {case.b:3} {case.h:3} " + " ".join(cells))
             if window is not None and case.causal and {"onlineattn", window_provider(window)} <= times.keys():
                 ratio = times[window_provider(window)] / times["onlineattn"]
                 bar.print(f"       window {window}: {times[window_provider(window)]:.3f} ms = {ratio:.3f} x full "
                           f"causal {times['onlineattn']:.3f} ms")
+            if {"onlineattn", SINKS_PROVIDER} <= times.keys():
+                bar.print(f"       sinks: {times[SINKS_PROVIDER]:.3f} ms = "
+                          f"{times[SINKS_PROVIDER] / times['onlineattn']:.3f} x without {times['onlineattn']:.3f} ms")
         del q, k, v
     bar.close()
     append_rows(out, rows)
@@ -297,6 +328,8 @@ def add_parser(subparsers) -> None:
                    help="time each call's device work alone, the GPU held ahead of the host: providers +cold")
     p.add_argument("--window", type=int, default=None, metavar="W",
                    help="also time causal sliding-window attention over the W latest keys (window_size=(W-1, 0))")
+    p.add_argument("--sinks", action="store_true",
+                   help="also time each case's call with one sink logit per query head (provider onlineattn-sinks)")
     add_output_options(p)
     p.set_defaults(func=main)
 
@@ -313,6 +346,6 @@ def main(args) -> int:
         print(f"--window must be at least 1, got {args.window}")
         return 2
     run(grid(head_dims, seqlens, causal), args.providers, modes, out=None if args.no_write else args.out,
-        commit=args.commit, window=args.window, cold=args.cold)
+        commit=args.commit, window=args.window, sinks=args.sinks, cold=args.cold)
     return 0
 

@@ -217,10 +217,11 @@ def ratios(rows: list[dict], op: str, commit: str | None = None, against: str = 
     """``(commit, providers, lines)``: each onlineattn provider's TFLOP/s over ``against``'s, timed the same way (a
     ``+cold`` provider against ``against+cold``), per (d, causal, N) of ``op``'s rows from ``commit`` (by default
     ``latest``'s); a provider or point with no peer row is left out, and so are the sliding-window rows (their FLOPs
-    count the band only). What issue #9's bar is read against."""
+    count the band only) and the sink rows (a variant the peer does not compute). What issue #9's bar is read
+    against."""
     commit, now = latest(rows, op, commit)
     value = {(r["provider"], r["d"], r["causal"], r["Sq"]): r["tflops"] for r in now if r["Sq"] == r["Sk"]}
-    ours = sorted({p for p, *_ in value if p.startswith("onlineattn") and "-window" not in p},
+    ours = sorted({p for p, *_ in value if p.startswith("onlineattn") and "-window" not in p and "-sinks" not in p},
                   key=lambda p: (p.partition("+")[2], p))
     peer = {p: against + ("+" + p.partition("+")[2] if "+" in p else "") for p in ours}
     points = sorted({k[1:] for k in value})
