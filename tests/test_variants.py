@@ -118,6 +118,26 @@ def run_case(case: Case, backend: str, dtype, *, device=DEVICE, seed=0) -> None:
         assert torch.all(o.detach().transpose(1, 2)[torch.from_numpy(empty)] == 0)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_minus_inf_sink_over_rows_that_see_no_key_has_gradient_0(backend):
+    """A sink of -inf (no sink for that head) on rows that see no key (causal, Sq > Sk): their lse is -inf, and
+    the sink's probability exp(sink - lse) must be 0 there, not exp(-inf + inf) = NaN, in dsinks (and the oracle's)."""
+    dtype = torch.float16 if backend == "triton" else torch.float32
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, s, h, 32, generator=gen).to(DEVICE, dtype).requires_grad_()
+               for s, h in ((9, 4), (4, 2), (4, 2)))
+    sinks = torch.tensor([float("-inf"), 0.5, float("-inf"), -1.0], device=DEVICE).requires_grad_()
+    o = onlineattn.attention(q, k, v, causal=True, sinks=sinks, backend=backend)
+    do = torch.randn(o.shape, generator=gen).to(DEVICE, dtype)
+    o.backward(do)
+    exact = R.naive_attention_grads(q, k, v, do, causal=True, sinks=sinks)
+    assert np.isfinite(exact["dsinks"]).all() and (exact["dsinks"][[0, 2]] == 0).all()
+    assert torch.isfinite(sinks.grad).all() and (sinks.grad[[0, 2]] == 0).all()
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v, sinks)]
+    R.torch_math_attention(*leaves[:3], causal=True, sinks=leaves[3])[0].backward(do)
+    R.assert_within_rule("dsinks", sinks.grad, exact["dsinks"], leaves[3].grad, _name(dtype))
+
+
 CASES = {
     # one variant at a time
     "window": Case(window=(5, 3), sq=29),

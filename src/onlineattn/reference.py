@@ -213,7 +213,7 @@ def naive_attention_grads(q, k, v, do, *, causal=False, softmax_scale=None, wind
     if attn_bias is not None:
         grads["dbias"] = _sum_to_shape(ds, tuple(attn_bias.shape))
     if sinks is not None:
-        p_sink = np.exp(_f64(sinks)[None, :, None] - lse)
+        p_sink = np.exp(_f64(sinks)[None, :, None] - np.where(np.isneginf(lse), np.inf, lse))  # -inf sink, no key
         grads["dsinks"] = -(p_sink * delta[..., 0]).sum(axis=(0, 2))
     return grads
 

@@ -579,8 +579,9 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     if bias_grad and dbias is None:
         dbias = torch.zeros_like(mods.attn_bias)
     dsinks = None
-    if mods.sinks is not None:  # lse includes the sink, so exp(sink - lse) is its probability
-        p_sink = torch.exp(mods.sinks.float()[None, :, None] - lse)
+    if mods.sinks is not None:  # lse includes the sink, so exp(sink - lse) is its probability; a row with lse =
+        # -inf saw no key and has a sink of -inf: exp(-inf - inf) = 0, not exp(-inf + inf) = NaN
+        p_sink = torch.exp(mods.sinks.float()[None, :, None] - lse.masked_fill(lse == float("-inf"), float("inf")))
         dsinks = -(p_sink * delta).sum(dim=(0, 2)).to(mods.sinks.dtype)
     if mods.varlen:
         dq, dk, dv = dq[0], dk[0], dv[0]
