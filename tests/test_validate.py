@@ -451,6 +451,22 @@ def test_a_zero_scale_weighs_every_visible_key_alike(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_huge_scale_under_softcap_is_bounded_by_the_tanh(backend):
+    """softcap · tanh(scale · qk / softcap) is bounded for any scale the API takes: with scale 1e38 the torch path
+    had scaled q by it before QKᵀ (inf, then NaN or a wrong o and lse); now the scale joins inside the tanh on both
+    paths. Every score saturates to ±softcap, so o and lse are the oracle's and the gradients 0 (1 - tanh² = 0)."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"  # CPU: through the interpreter
+    q, k, v = (x.to(device).requires_grad_() for x in _qkv())
+    o, lse = onlineattn.attention(q, k, v, softmax_scale=1e38, softcap=5.0, backend=backend, return_lse=True)
+    exact_o, exact_lse = R.naive_attention(q, k, v, softmax_scale=1e38, softcap=5.0, return_lse=True)
+    base_o, base_lse = R.torch_math_attention(q, k, v, softmax_scale=1e38, softcap=5.0)
+    R.assert_within_rule("o", o, exact_o, base_o, "float32")
+    R.assert_within_rule("lse", lse, exact_lse, base_lse, "float32")
+    dq, dk = torch.autograd.grad(o.sum(), (q, k))
+    assert torch.all(dq == 0) and torch.all(dk == 0)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("window", [(0, 2**31 - 1), (2**31 - 1, 2**31 - 1), (2**31 - 1, 0), (2**70, 3), (3, 2**30)])
 def test_window_sides_past_every_index_are_unbounded(backend, window):
     """A window side of 2^30 (the kernels' unbounded) or more reaches past every index: it is -1, not a value

@@ -80,11 +80,15 @@ class _TileMods:
     """The score variants (``onlineattn._mods``) on the torch path's tiles ``[B, Hkv, G, rows, keys]``, whose scores
     are in the log2 domain (``x = logit · log2 e``). ``seq_index`` is the varlen sequence a one-entry batch is."""
 
-    def __init__(self, mods: Mods, q, k, cdt, seq_index=None):
+    def __init__(self, mods: Mods, q, k, cdt, scale: float, seq_index=None):
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         self.shape, self.cdt, self.diag, self.device = (b, hkv, hq // hkv), cdt, sk - sq, q.device
         self.softcap, self.dropout_p, self.rng = mods.softcap, mods.dropout_p, mods.rng
+        # Under softcap q enters QKᵀ unscaled (``q_factor``) and the scale joins inside the tanh, clamped to the
+        # dtype's largest (as the kernels do), so no scale the API takes overflows q · scale before tanh bounds it.
+        self.q_factor = 1.0 if mods.softcap > 0 else scale * LOG2E
+        self.softcap_in = min(scale / mods.softcap, torch.finfo(cdt).max) if mods.softcap > 0 else 0.0
         self.slopes = self.bias = None
         if mods.alibi_slopes is not None:  # [B or 1, Hkv, G, 1, 1], in the log2 domain
             self.slopes = (mods.alibi_slopes.to(cdt) * LOG2E).reshape(-1, hkv, hq // hkv)[..., None, None]
@@ -100,7 +104,7 @@ class _TileMods:
         softcap's ``tanh`` (its derivative is ``1 - tanh²``), or None."""
         th = None
         if self.softcap > 0:
-            th = torch.tanh(s / (self.softcap * LOG2E))
+            th = torch.tanh(s * self.softcap_in)
             torch.mul(th, self.softcap * LOG2E, out=s)
         if self.slopes is not None:
             i = torch.arange(i0, i1, device=self.device)[:, None]
@@ -138,10 +142,10 @@ def forward(q, k, v, scale: float, causal: bool, mods: Mods = PLAIN, block: int 
     """
     hkv = k.shape[2]
     cdt = _compute_dtype(q.dtype)
-    qs = _grouped(q, hkv, cdt) * (scale * LOG2E)
+    tm = _TileMods(mods, q, k, cdt, scale, seq_index)
+    qs = _grouped(q, hkv, cdt) * tm.q_factor
     kt, vg = _grouped(k, hkv, cdt).transpose(-1, -2), _grouped(v, hkv, cdt)
     b, _, g, sq, _ = qs.shape
-    tm = _TileMods(mods, q, k, cdt, seq_index)
     o = torch.zeros((b, hkv, g, sq, v.shape[-1]), dtype=cdt, device=q.device)  # unnormalised until the end
     # The running max starts at the lowest finite value, not -inf, so that 2^(m_old - m_new) is never 2^(-inf + inf):
     # a row that has seen only masked keys keeps l = 0.
@@ -192,11 +196,11 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, mods: 
                                   "(create_graph=True) is not supported")
     hkv = k.shape[2]
     cdt = _compute_dtype(q.dtype)
-    qs = _grouped(q, hkv, cdt) * (scale * LOG2E)
+    tm = _TileMods(mods, q, k, cdt, scale, seq_index)
+    qs = _grouped(q, hkv, cdt) * tm.q_factor
     kg, vg = _grouped(k, hkv, cdt), _grouped(v, hkv, cdt)
     dog = _grouped(do, hkv, cdt)
     b, _, g, sq, _ = qs.shape
-    tm = _TileMods(mods, q, k, cdt, seq_index)
     delta = (dog * _grouped(o, hkv, cdt)).sum(dim=-1)
     if dlse is not None:
         delta = delta - dlse.to(cdt).reshape(delta.shape)
@@ -229,7 +233,7 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, mods: 
         dq[..., i0:i1, :] += torch.matmul(ds, kb)
         dk[:, :, j0:j1] += torch.matmul(ds.transpose(-1, -2), qb).sum(dim=2)
     dq = _ungrouped(dq.mul_(scale)).to(q.dtype)
-    dk = dk.div_(LOG2E).transpose(1, 2)  # it summed dS against q scaled for base 2
+    dk = (dk.mul_(scale) if tm.softcap > 0 else dk.div_(LOG2E)).transpose(1, 2)  # dS was summed against q · q_factor
     dsinks = None
     if mods.sinks is not None:  # d sink = -Σ_rows P_sink · delta
         p_sink = torch.exp2(_grouped_heads(mods.sinks.to(cdt) * LOG2E, b, hkv, g, sq) - lse_g)
