@@ -70,6 +70,12 @@ class Mods:
         plain = self.window_left == -1 and self.window_right == -1 and self.sinks is None and self.window_sinks_only
         return PLAIN if plain else self
 
+    def softcap_in(self, scale: float, largest: float) -> float:
+        """The factor inside the softcap's tanh, ``scale / softcap`` (0 without softcap), at most ``largest`` (the
+        compute dtype's): past it the factor is inf, and a score of 0 gives 0 · inf = NaN; tanh saturated long before.
+        Applied to the raw ``q·k``, so no scale the API takes overflows before the tanh bounds it."""
+        return min(scale / self.softcap, largest) if self.softcap > 0 else 0.0
+
     @property
     def window_sinks_only(self) -> bool:
         """Every variant is a sliding window or sinks (one batch launch, not varlen): what the Hopper forward runs

@@ -85,10 +85,9 @@ class _TileMods:
         sk, hkv = k.shape[1], k.shape[2]
         self.shape, self.cdt, self.diag, self.device = (b, hkv, hq // hkv), cdt, sk - sq, q.device
         self.softcap, self.dropout_p, self.rng = mods.softcap, mods.dropout_p, mods.rng
-        # Under softcap q enters QKᵀ unscaled (``q_factor``) and the scale joins inside the tanh, clamped to the
-        # dtype's largest (as the kernels do), so no scale the API takes overflows q · scale before tanh bounds it.
+        # Under softcap q enters QKᵀ unscaled (``q_factor``) and the scale joins inside the tanh (``softcap_in``).
         self.q_factor = 1.0 if mods.softcap > 0 else scale * LOG2E
-        self.softcap_in = min(scale / mods.softcap, torch.finfo(cdt).max) if mods.softcap > 0 else 0.0
+        self.softcap_in = mods.softcap_in(scale, torch.finfo(cdt).max)
         self.slopes = self.bias = None
         if mods.alibi_slopes is not None:  # [B or 1, Hkv, G, 1, 1], in the log2 domain
             self.slopes = (mods.alibi_slopes.to(cdt) * LOG2E).reshape(-1, hkv, hq // hkv)[..., None, None]

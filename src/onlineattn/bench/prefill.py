@@ -25,6 +25,7 @@ case. Its rows carry ``"sinks": true``, and the table prints its time as a multi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,18 +111,13 @@ SINKS_PROVIDER = "onlineattn-sinks"
 def _ours_sinks(q, k, v, causal):
     from ..api import attention
 
-    return attention(q, k, v, causal=causal, sinks=_sink_logits(q.shape[2], q.device), backend="triton")
+    return attention(q, k, v, causal=causal, sinks=_sink_logits(q.shape[2], str(q.device)), backend="triton")
 
 
-_SINK_LOGITS: dict = {}
-
-
-def _sink_logits(heads: int, device) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _sink_logits(heads: int, device: str) -> torch.Tensor:
     """The sinks of ``heads`` query heads, made once per (heads, device) so no call times their creation."""
-    key = (heads, str(device))
-    if key not in _SINK_LOGITS:
-        _SINK_LOGITS[key] = torch.linspace(-1.0, 1.0, heads, device=device)
-    return _SINK_LOGITS[key]
+    return torch.linspace(-1.0, 1.0, heads, device=device)
 
 
 def _causal_mod(b, h, q_idx, kv_idx):

@@ -377,13 +377,11 @@ def variant_args(mods: Mods, causal: bool, scale: float, b: int, hq: int, sq: in
         bias = bias_4d(bias).expand(b, hq, sq, sk)
         bias_strides = bias.stride()
     softcap = mods.softcap
-    # scale / softcap past float32 is inf, and a score of 0 then gives 0 · inf = NaN; tanh saturated long before
-    softcap_in = min(scale / softcap, FLOAT32_MAX) if softcap else 0.0
     return dict(
         CU_Q=cu_q, CU_K=cu_k, SLOPES=slopes, BIAS=bias, SINKS=sinks, RNG=mods.rng,
         stride_sb=stride_sb, stride_bb=bias_strides[0], stride_bh=bias_strides[1], stride_bi=bias_strides[2],
         stride_bj=bias_strides[3], window_left=band[0] if band else 0, window_right=band[1] if band else 0,
-        softcap_in=softcap_in, softcap_out=softcap * LOG2E, dropout_p=mods.dropout_p,
+        softcap_in=mods.softcap_in(scale, FLOAT32_MAX), softcap_out=softcap * LOG2E, dropout_p=mods.dropout_p,
         batch0=mods.batch0, VARLEN=mods.varlen, WINDOW=band is not None, SOFTCAP=softcap > 0,
         ALIBI=slopes is not None, HAS_BIAS=bias is not None, SINK=mods.sinks is not None, DROPOUT=mods.dropout,
     )
