@@ -520,6 +520,58 @@ def test_repeat_relaunches_bitwise(causal, d, fused, ordered, monkeypatch):
 
 @gpu
 @sm90
+@pytest.mark.parametrize("route", ["hopper", "triton"])
+@pytest.mark.parametrize("case", ["causal-window-sinks", "window-sq-over-sk", "causal-sinks"])
+def test_window_and_sink_calls_repeat_bitwise(case, route, monkeypatch):
+    """A whole-batch call whose only variants are a window and sinks keeps its launches as a plain one does, keyed
+    by the window's band (the kernels never read the sinks, which reach them through lse): a repeat with new
+    tensors, new sinks among them, launches nothing new and gives bitwise what the full path gives, dsinks (from
+    the sinks' kernel) too. A (300, 0) window without causal and Sq 600 rows over Sk runs the Hopper kernel's
+    causal launch: the repeat zeroes the ordered dQ's unseen row tiles as that launch does (scratch NaN-filled)."""
+    from onlineattn.ops import _launch as launch_cache
+
+    b, sq, sk, causal, window, with_sinks = {
+        "causal-window-sinks": (2, 700, 700, True, (200, 0), True),
+        "window-sq-over-sk": (1, 1300, 700, False, (300, 0), False),
+        "causal-sinks": (2, 500, 500, True, (-1, -1), True),
+    }[case]
+    d, hq, hkv = 128, 4, 2
+    g = torch.Generator().manual_seed(11)
+
+    def inputs():
+        q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", torch.bfloat16)
+                       for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+        sinks = torch.randn(hq, generator=g).to("cuda") if with_sinks else None
+        mods = Mods(window_left=window[0], window_right=window[1], sinks=sinks).canonical()
+        o, lse = F.forward(q, k, v, 0.1, causal, mods=mods)
+        return (do, q, k, v, o, lse), mods
+
+    monkeypatch.setattr(B, "_STEPS", {})
+    if route == "triton":
+        monkeypatch.setattr(B, "ws_ok", lambda *a, **kw: False)
+    cfg = None if route == "triton" else replace(bwd_config(d, d, torch.bfloat16, "cuda", causal=True),
+                                                 dkdv=fused_dq_tile(d, ordered=True, causal=True))
+    made, launched = B._dq_accumulator, []
+    monkeypatch.setattr(B, "_dq_accumulator", lambda *a: _nan_scratch(made, *a))
+    full_launch = B._launch
+    monkeypatch.setattr(B, "_launch", lambda *a, **kw: launched.append(1) or full_launch(*a, **kw))
+    tensors, mods = inputs()
+    B.gradients(*tensors, 0.1, causal, config=cfg, mods=mods)
+    tensors, mods = inputs()
+    kept = B.gradients(*tensors, 0.1, causal, config=cfg, mods=mods)
+    assert len(launched) == 1 and len(B._STEPS) == 1  # the second call was a repeat
+    monkeypatch.setattr(launch_cache, "enabled", False)
+    full = B.gradients(*tensors, 0.1, causal, config=cfg, mods=mods)
+    assert len(launched) == 2
+    for x, y in zip(kept, full):
+        assert (x is None and y is None) or torch.equal(x, y)
+    assert (kept[4] is not None) == with_sinks and torch.isfinite(kept[0]).all()
+    if not with_sinks:
+        assert not kept[0][:, : sq - sk].any()  # rows that see no key
+
+
+@gpu
+@sm90
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", [(1, 700, 1300, 4, 2, 128), (2, 1300, 700, 4, 2, 128), (1, 1000, 1000, 4, 2, 64),
                                    (2, 129, 17, 2, 2, 128), (1, 100, 60, 2, 2, 128), (1, 64, 1000, 2, 2, 128)],

@@ -36,6 +36,7 @@ memory for the dV and dK dots. This is what lets d = 256 hold 64 keys with 8 war
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
 import torch
@@ -61,6 +62,7 @@ from .forward import (
     KERNEL_DTYPES, _last_dim_contiguous, batch_slices, check_int32_offsets, descriptor, variant_args,
 )
 from .forward import ws_ok as _forward_ws_ok
+from .sink_grad import sink_grad
 
 PREPROCESS_ROWS = 64  # rows per program of the delta pass: it streams O and dO once, any tile saturates bandwidth
 
@@ -505,9 +507,14 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
         raise ValueError("the out buffers (dq, dk, dv) must be contiguous in their last dim")
     dlse = None if dlse is None else dlse.contiguous()
     exact = deterministic or torch.are_deterministic_algorithms_enabled()
-    if (mods is PLAIN and not bias_grad and launch_cache.enabled
-            and _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, (config, exact))):
-        return dq, dk, dv, None, None
+    # A whole-batch call whose only variants are a window and sinks is kept for its repeats (_repeat): its kernels
+    # depend on the window's band alone (they never read the sinks, which reach them through lse)
+    keep = mods.window_sinks_only and not bias_grad and launch_cache.enabled
+    routing = (config, exact, None if mods is PLAIN else mods.band(causal))
+    if keep:
+        delta = _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing)
+        if delta is not None:
+            return dq, dk, dv, None, sink_grad(mods.sinks, lse, delta)
     if mods.varlen:  # packed [1, total, H, D] views, as in the forward
         q, k, v, o, do, dq, dk, dv = (x[None] for x in (q, k, v, o, do, dq, dk, dv))
         lse, dlse = lse[None], None if dlse is None else dlse[None]
@@ -564,11 +571,10 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
             check_int32_offsets(q=q, k=k, v=v, o=o, do=do, dq=dq, dk=dk, dv=dv, lse=lse)
             for rows in batch_slices(b, max(hq, hkv)):
                 if rows == slice(0, b):  # the whole batch: no views to make (each costs host time)
-                    keep = mods is PLAIN and launch_cache.enabled  # a plain call is kept for its repeats (_repeat)
                     kernels = _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tma_rows,
                                       tma_keys, mods, keep)
                     if keep:
-                        _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, (config, exact),
+                        _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing,
                                   _Step(cfg, tma_rows, tma_keys, *kernels))
                     continue
                 _launch(do[rows], q[rows], k[rows], v[rows], o[rows], lse[rows], None if dlse is None else dlse[rows],
@@ -578,14 +584,9 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
             dbias = bias_grad_kernel.bias_gradient(q, k, v, do, lse, delta, scale, causal, mods)
     if bias_grad and dbias is None:
         dbias = torch.zeros_like(mods.attn_bias)
-    dsinks = None
-    if mods.sinks is not None:  # lse includes the sink, so exp(sink - lse) is its probability; a row with lse =
-        # -inf saw no key and has a sink of -inf: exp(-inf - inf) = 0, not exp(-inf + inf) = NaN
-        p_sink = torch.exp(mods.sinks.float()[None, :, None] - lse.masked_fill(lse == float("-inf"), float("inf")))
-        dsinks = -(p_sink * delta).sum(dim=(0, 2)).to(mods.sinks.dtype)
     if mods.varlen:
         dq, dk, dv = dq[0], dk[0], dv[0]
-    return dq, dk, dv, dbias, dsinks
+    return dq, dk, dv, dbias, sink_grad(mods.sinks, lse, delta)
 
 
 def ws_ok(do, q, k, v, mods: Mods, causal: bool = False) -> bool:
@@ -644,7 +645,9 @@ def _launch(do, q, k, v, o, lse, dlse, delta, dq, dk, dv, scale, causal, cfg, tm
         strides_in = tuple(0 if i % 3 == 0 else x for i, x in enumerate(strides_in))
         strides_dk = tuple(0 if i % 3 == 0 else x for i, x in enumerate(strides_dk))
         strides_dq, strides_lse, strides_o = (0, *strides_dq[1:]), (0, strides_lse[1]), (0, *strides_o[1:])
-    variants = variant_args(mods, causal, scale, b, hq, sq, sk)
+    # the kernels never read sinks (lse holds them), so a kept launch holds no sinks tensor to go stale (_repeat)
+    variants = variant_args(mods if mods.sinks is None else replace(mods, sinks=None).canonical(), causal, scale,
+                            b, hq, sq, sk)
     band = mods.band(causal)  # a causal window (right = 0) where a gluon tile runs (ws_ok): its causal launch
     hopper = dict(causal=causal or band is not None,  # a left side reaching every key is plain causal
                   window_left=None if band is None or band[0] >= sq + sk else band[0])
@@ -787,12 +790,12 @@ def _remember(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing, ste
     bounded_put(_STEPS, _step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing), step, _MAX_STEPS)
 
 
-def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bool:
-    """Launch a plain backward seen before through its kept launches; False, launching nothing, where there is no
-    step for this metadata or one of its launches cannot be repeated."""
+def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing):
+    """Launch a backward seen before through its kept launches and return the delta they write; None, launching
+    nothing, where there is no step for this metadata or one of its launches cannot be repeated."""
     step = _STEPS.get(_step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing))
     if step is None or step.dkdv[1] is None or step.dq[1] is None or (step.pre is not None and step.pre[1] is None):
-        return False
+        return None
     fused = step.pre is not None  # dQ comes with dK and dV, after the preprocess kernel, and a pass scales it
     b, sq, hq, d = q.shape
     hkv, dv_dim = k.shape[2], v.shape[3]
@@ -807,7 +810,8 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
         k_arg, v_arg = descriptor(k, keys, 1, block_d), descriptor(v, keys, 1, block_dv)
     (grid_dkdv, dkdv), (grid_dq, dq_kernel) = step.dkdv, step.dq
     delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-    dq_acc, dq_sem, zero = _dq_accumulator(dq, step.cfg.dkdv, causal, k.shape[1]) if fused else (None, None, None)
+    masked = causal or routing[2] is not None  # a window's band: launched causal (_launch's hopper["causal"])
+    dq_acc, dq_sem, zero = _dq_accumulator(dq, step.cfg.dkdv, masked, k.shape[1]) if fused else (None, None, None)
     if step.cfg.dkdv.gluon:
         descriptors = backward_sm90.descriptors(q, k, v, do, dk, dv, step.cfg.dkdv)
         dq_arg = backward_sm90.dq_descriptor(dq_acc, step.cfg.dkdv, q.shape[-1], q.device)
@@ -818,17 +822,17 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing) -> bo
         (grid_pre, pre), arrays_dq = step.pre, (dq_acc, dq)
         arrays_pre = _pre_arrays(o, do, lse, dlse, delta, zero.memory)
         if not (pre.ready(arrays_pre) and dkdv.ready(arrays_dkdv) and dq_kernel.ready(arrays_dq)):
-            return False
+            return None
         pre.go(grid_pre, arrays_pre)
         dkdv.go(grid_dkdv, arrays_dkdv)
         dq_kernel.go(grid_dq, arrays_dq)
-        return True
+        return delta
     arrays_dq = _dq_arrays(q, k_arg, v_arg, do, lse, delta, dq, o, dlse)
     if not (dq_kernel.ready(arrays_dq) and dkdv.ready(arrays_dkdv)):
-        return False
+        return None
     dq_kernel.go(grid_dq, arrays_dq)  # first: it writes the delta the dK/dV kernel reads
     dkdv.go(grid_dkdv, arrays_dkdv)
-    return True
+    return delta
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,62 @@
+"""The gradient of the sinks in Triton: one small kernel after the backward's kernels (and their delta).
+
+A sink is one more logit per head in every row's softmax, with no value, so its probability in a row is
+``exp(sink − lse)`` (lse includes it) and its gradient is ``dsink = −Σ_{batch, rows} exp(sink − lse) · delta``, with
+``delta = rowsum(dO ∘ O) − dlse``. One program per head sums its rows in a fixed order: deterministic, no
+atomics. It replaces half a dozen elementwise torch calls, whose host time (each ~10-20 µs on the H200's host) came
+to more than a small call's kernels (NOTES v35).
+
+Read top-down: the kernel, then the launcher.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import launch
+
+SINK_GRAD_ROWS = 1024  # rows a program reads at once: 8 KiB of lse and delta
+
+
+@triton.jit
+def sink_grad_kernel(
+    LSE, DELTA, SINKS, DSINKS,
+    stride_lb, stride_lh, stride_ls,
+    stride_db, stride_dh, stride_ds,
+    batch, rows,
+    BLOCK: tl.constexpr,
+):
+    """Program h: ``DSINKS[h] = −Σ_{b, s} exp(SINKS[h] − LSE[b, h, s]) · DELTA[b, h, s]``. A row whose lse is
+    −inf saw no key and has a sink of −inf: its probability is 0, as exp(−inf − inf), not exp(−inf + inf) = NaN."""
+    h = tl.program_id(0)
+    sink = tl.load(SINKS + h).to(tl.float32)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    lse_row, delta_row = LSE + h * stride_lh, DELTA + h * stride_dh
+    for _ in range(batch):  # the pointers step a batch entry at a time (64-bit: no int32 product of b · stride)
+        for start in range(0, rows, BLOCK):
+            s = start + offs
+            lse = tl.load(lse_row + s * stride_ls, mask=s < rows, other=float("inf"))
+            delta = tl.load(delta_row + s * stride_ds, mask=s < rows, other=0.0)
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)
+            acc += tl.exp(sink - lse) * delta
+        lse_row += stride_lb
+        delta_row += stride_db
+    tl.store(DSINKS + h, (-tl.sum(acc, axis=0)).to(DSINKS.dtype.element_ty))
+
+
+def sink_grad(sinks: torch.Tensor | None, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor | None:
+    """``dsinks [Hq]`` in sinks' dtype from float32 ``lse`` and ``delta [B, Hq, S]`` (any strides); None without
+    sinks."""
+    if sinks is None:
+        return None
+    if lse.shape != delta.shape or lse.dim() != 3 or sinks.shape != (lse.shape[1],):
+        raise ValueError(f"sink_grad: lse and delta [B, Hq, S] with sinks [Hq]; got {tuple(lse.shape)}, "
+                         f"{tuple(delta.shape)}, {tuple(sinks.shape)}")
+    dsinks = torch.empty(sinks.shape, dtype=sinks.dtype, device=sinks.device)
+    if dsinks.numel():
+        launch(sink_grad_kernel, (sinks.shape[0],), lse, delta, sinks.contiguous(), dsinks, *lse.stride(),
+               *delta.stride(), lse.shape[0], lse.shape[2], BLOCK=SINK_GRAD_ROWS, num_warps=4)
+    return dsinks
