@@ -520,6 +520,28 @@ def test_repeat_relaunches_bitwise(causal, d, fused, ordered, monkeypatch):
 
 @gpu
 @sm90
+@pytest.mark.parametrize("d,left,hopper", [(64, 127, False), (64, 255, True), (128, 127, True), (256, 127, True)])
+def test_table_routes_windows_by_span(d, left, hopper, monkeypatch):
+    """The table takes the Hopper dK/dV kernel for a causal window where it measured faster than the Triton backward
+    (BWD_WS_WINDOW_MIN_SPAN: at d = 64 from a 256-key span, NOTES v35); either way the gradients keep to the rule."""
+    from onlineattn.ops import backward_sm90
+
+    launched, launch = [], backward_sm90.launch_dkdv
+    monkeypatch.setattr(backward_sm90, "launch_dkdv", lambda *a, **kw: launched.append(1) or launch(*a, **kw))
+    g = torch.Generator().manual_seed(d + left)
+    q, k, v, do = (torch.randn(1, 1024, 2, d, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
+    mods = Mods(window_left=left, window_right=0)
+    o, lse = F.forward(q, k, v, d**-0.5, True, mods=mods)
+    got = B.gradients(do, q, k, v, o, lse, d**-0.5, True, mods=mods)[:3]
+    assert bool(launched) == hopper
+    exact = R.naive_attention_backward(q, k, v, do, causal=True, window_size=(left, 0))
+    base = _baseline_grads(q, k, v, do, True, window=(left, 0))
+    for name, x, want, ref in zip(("dq", "dk", "dv"), got, exact, base):
+        R.assert_within_rule(name, x, want, ref, "bfloat16")
+
+
+@gpu
+@sm90
 @pytest.mark.parametrize("route", ["hopper", "triton"])
 @pytest.mark.parametrize("case", ["causal-window-sinks", "window-sq-over-sk", "causal-sinks"])
 def test_window_and_sink_calls_repeat_bitwise(case, route, monkeypatch):

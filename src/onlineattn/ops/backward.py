@@ -56,10 +56,10 @@ from ._common import (
     LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, row_tile, sequence_bounds,
     tile_order, tma_aligned,
 )
-from ._configs import bwd_config, bwd_head_group
+from ._configs import BWD_WS_WINDOW_MIN_SPAN, bwd_config, bwd_head_group
 from ._launch import bounded_put, cdiv, next_power_of_2, start
 from .forward import (
-    KERNEL_DTYPES, _last_dim_contiguous, batch_slices, check_int32_offsets, descriptor, variant_args,
+    KERNEL_DTYPES, _last_dim_contiguous, _window_span, batch_slices, check_int32_offsets, descriptor, variant_args,
 )
 from .forward import ws_ok as _forward_ws_ok
 from .sink_grad import sink_grad
@@ -527,11 +527,14 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     else:
         delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
         hopper = ws_ok(do, q, k, v, mods, causal)
-        windowed = hopper and mods.band(causal) is not None  # a causal window: the Hopper kernel's causal launch
+        span = _window_span(mods, causal, k.shape[1])  # 0 without a window
+        # the table takes the Hopper kernel where it measured faster: windows at d = 64 from a 256-key span
+        table_hopper = hopper and (not span or BWD_WS_WINDOW_MIN_SPAN.get(d, 1) <= span)
+        windowed = table_hopper and span > 0  # a causal window: the Hopper kernel's causal launch
         cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, causal=causal or windowed,
-                                   ws_ok=hopper and not mods.varlen, seqlen_q=sq, seqlen_k=k.shape[1],
+                                   ws_ok=table_hopper and not mods.varlen, seqlen_q=sq, seqlen_k=k.shape[1],
                                    deterministic=exact,
-                                   ordered_blocks=backward_sm90.ordered_blocks(q.device) if hopper else 0)
+                                   ordered_blocks=backward_sm90.ordered_blocks(q.device) if table_hopper else 0)
         if cfg.dkdv.fused_dq and not cfg.dkdv.gluon:
             raise ValueError("config: fused_dq needs a gluon dK/dV tile (the Hopper kernel adds dQ)")
         if cfg.dkdv.dq_ordered and not cfg.dkdv.fused_dq:
