@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from onlineattn.ops import sink_grad as SG
 from onlineattn.ops.sink_grad import SINK_GRAD_ROWS, sink_grad
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -19,9 +20,13 @@ def _exact(sinks, lse, delta) -> np.ndarray:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,rows", [(1, 5), (3, SINK_GRAD_ROWS + 37), (2, 0), (0, 7)])
 @pytest.mark.parametrize("device", DEVICES)
-def test_matches_the_formula(batch, rows, dtype, device):
+@pytest.mark.parametrize("route", ["kernel", "torch"])
+def test_matches_the_formula(batch, rows, dtype, device, route, monkeypatch):
     """Rows past one block and not a multiple of it, a batch, no rows, no batch; delta through strides (as the
-    backward's empty calls make it); a -inf sink over rows that saw no key (lse -inf); sinks stored in bfloat16."""
+    backward's empty calls make it); a -inf sink over rows that saw no key (lse -inf); sinks stored in bfloat16;
+    the kernel and the torch calls that take heads of more than SINK_GRAD_MAX_ROWS rows."""
+    if route == "torch":
+        monkeypatch.setattr(SG, "SINK_GRAD_MAX_ROWS", -1)
     g = torch.Generator().manual_seed(batch * 1000 + rows)
     heads = 3
     sinks = torch.randn(heads, generator=g).to(dtype)

@@ -755,8 +755,8 @@ def _scale_dq(dq_acc, scale: float, dq, block_m: int, keep: bool = False):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Repeats. A training loop runs the backward with the same shapes every step, so a plain whole-batch call keeps its
-# choices (tile, descriptor use) and its launches (``_Step``: the dQ and dK/dV kernels, or with a fused dQ the
+# Repeats. A training loop runs the backward with the same shapes every step, so a whole-batch call, plain or with a
+# window and sinks as its only variants, keeps its choices (tile, descriptor use) and its launches (``_Step``: the dQ and dK/dV kernels, or with a fused dQ the
 # preprocess kernel, the dK/dV kernel and the pass that scales dQ), keyed by the metadata they depend on; a repeat
 # only swaps the tensors in (``Relaunch``) with descriptors around them (the Gluon kernel's kept by address:
 # ``forward_sm90.descriptor``). All must be ready before any starts; where one is not (a hook set, an alignment
@@ -777,10 +777,10 @@ _MAX_STEPS = 256  # shapes a training process sees are few; past this the table 
 
 
 def _step_key(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing):
-    """Everything a plain whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars
+    """Everything a kept whole-batch launch depends on besides the data: shapes, strides, dtypes, device, scalars
     (with their types: an int scale specialises differently), the base alignment of the tensors that may go
     through descriptors (``tma_aligned`` reads it), and ``routing``: (the explicit config or None, whether the call
-    must be deterministic)."""
+    must be deterministic, the window's band or None). Sinks are not in it: no backward kernel reads them."""
     return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(), do.shape,
             do.stride(), lse.shape, lse.stride(), dq.shape, dq.stride(), dk.shape, dk.stride(), dv.shape, dv.stride(),
             q.dtype, k.dtype, v.dtype, o.dtype, do.dtype, lse.dtype, dq.dtype, dk.dtype, dv.dtype, q.device,
