@@ -526,6 +526,7 @@ def test_table_routes_windows_by_span(d, left, hopper, monkeypatch):
     (BWD_WS_WINDOW_MIN_SPAN: at d = 64 from a 256-key span, NOTES v35); either way the gradients keep to the rule."""
     from onlineattn.ops import backward_sm90
 
+    monkeypatch.setattr(B, "_STEPS", {})  # a kept step would launch nothing through launch_dkdv
     launched, launch = [], backward_sm90.launch_dkdv
     monkeypatch.setattr(backward_sm90, "launch_dkdv", lambda *a, **kw: launched.append(1) or launch(*a, **kw))
     g = torch.Generator().manual_seed(d + left)
@@ -538,6 +539,30 @@ def test_table_routes_windows_by_span(d, left, hopper, monkeypatch):
     base = _baseline_grads(q, k, v, do, True, window=(left, 0))
     for name, x, want, ref in zip(("dq", "dk", "dv"), got, exact, base):
         R.assert_within_rule(name, x, want, ref, "bfloat16")
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("route", ["hopper", "triton"])
+def test_kept_steps_are_keyed_by_the_window(route, monkeypatch):
+    """Plain, then windows (127, 0) and (255, 0), then (127, 0) again over the same tensors: each new window takes
+    the full path (the band is in the step's key), the last one repeats, and each matches the oracle."""
+    monkeypatch.setattr(B, "_STEPS", {})
+    if route == "triton":
+        monkeypatch.setattr(B, "ws_ok", lambda *a, **kw: False)
+    launched, full_launch = [], B._launch
+    monkeypatch.setattr(B, "_launch", lambda *a, **kw: launched.append(1) or full_launch(*a, **kw))
+    g = torch.Generator().manual_seed(5)
+    q, k, v, do = (torch.randn(1, 1024, 2, 128, generator=g).to("cuda", torch.bfloat16) for _ in range(4))
+    for i, window in enumerate(((-1, -1), (127, 0), (255, 0), (127, 0))):
+        mods = Mods(window_left=window[0], window_right=window[1]).canonical()
+        o, lse = F.forward(q, k, v, 0.1, True, mods=mods)
+        got = B.gradients(do, q, k, v, o, lse, 0.1, True, mods=mods)[:3]
+        assert len(launched) == min(i + 1, 3)
+        exact = R.naive_attention_backward(q, k, v, do, softmax_scale=0.1, causal=True, window_size=window)
+        base = _baseline_grads(q, k, v, do, True, window=window, scale=0.1)
+        for name, x, want, ref in zip(("dq", "dk", "dv"), got, exact, base):
+            R.assert_within_rule(name, x, want, ref, "bfloat16")
 
 
 @gpu
@@ -946,6 +971,7 @@ def test_non_causal_window_with_right_side_0_zeroes_unseen_rows(shape, sinks, d,
     key's diagonal see no key, and the ordered accumulator's row tiles there must be zeroed as under causal
     (``_dq_accumulator`` gets the launch's causal flag; its memory here is NaN-filled); with sinks too (through lse
     alone: lse = the sink on those rows)."""
+    monkeypatch.setattr(B, "_STEPS", {})  # the full path: a step kept by the case without sinks would repeat
     b, sq, sk, hq, hkv = shape
     g = torch.Generator().manual_seed(sum(shape) + d + sinks)
     q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", torch.bfloat16)

@@ -24,9 +24,8 @@ def _exact(sinks, lse, delta) -> np.ndarray:
 def test_matches_the_formula(batch, rows, dtype, device, route, monkeypatch):
     """Rows past one block and not a multiple of it, a batch, no rows, no batch; delta through strides (as the
     backward's empty calls make it); a -inf sink over rows that saw no key (lse -inf); sinks stored in bfloat16;
-    the kernel and the torch calls that take heads of more than SINK_GRAD_MAX_ROWS rows."""
-    if route == "torch":
-        monkeypatch.setattr(SG, "SINK_GRAD_MAX_ROWS", -1)
+    the kernel and the torch calls that run where they are faster (few heads over many rows)."""
+    monkeypatch.setattr(SG, "kernel_is_faster", lambda *shape: route == "kernel")
     g = torch.Generator().manual_seed(batch * 1000 + rows)
     heads = 3
     sinks = torch.randn(heads, generator=g).to(dtype)
@@ -49,3 +48,11 @@ def test_without_sinks_and_bad_shapes():
         sink_grad(torch.zeros(3, device=DEVICE), lse, lse)
     with pytest.raises(ValueError, match="sink_grad"):
         sink_grad(torch.zeros(2, device=DEVICE), lse, lse[:, :, :3])
+
+
+def test_the_fit_picks_the_faster_at_each_measured_shape():
+    """sg43.py's five shapes (NOTES v35): the kernel at 1 · 16 · 4096, 1 · 64 · 131072 and 64 · 64 · 4096, the torch
+    calls at 32 · 8 · 8192 and 16 · 8 · 131072."""
+    picks = [SG.kernel_is_faster(b, h, s) for b, h, s in
+             ((1, 16, 4096), (1, 64, 131072), (64, 64, 4096), (32, 8, 8192), (16, 8, 131072))]
+    assert picks == [True, True, True, False, False]

@@ -223,9 +223,10 @@ WS_WIDE_FROM = {(64, False): 2048, (64, True): 8192}
 WS_WINDOW_MIN_SPAN = {64: 1024, 128: 1, 256: 1}
 # The backward's windows (right side 0) on the Hopper dK/dV kernel against the Triton backward, deterministic, device
 # time alone (NOTES v35, bwin43b.py: B = 1, H = 2048 / d, causal, ms, N = 4096 | 16384): d = 64 W = 128 0.155 |
-# 0.548-0.552 against 0.149 | 0.525, W = 256 0.174-0.175 | 0.628 against 0.179-0.181 | 0.646-0.648, W = 1024 0.276 |
-# 1.056-1.061 against 0.361 | 1.375-1.377; d = 128 W = 128 0.107 | 0.366 against 0.133 | 0.473; d = 256 W = 128
-# 0.131 | 0.449 against 0.152-0.154 | 0.533. So the Hopper kernel from a 256-key span at d = 64, at any span above.
+# 0.548-0.552 against 0.149 | 0.525, W = 256 0.174-0.175 | 0.628 against 0.179-0.181 | 0.646-0.648, W = 1024
+# 0.275-0.276 | 1.056-1.061 against 0.361 | 1.375-1.377; d = 128 W = 128 0.107 | 0.366-0.367 against 0.133 | 0.473;
+# d = 256 W = 128 0.131 | 0.449 against 0.152-0.154 | 0.533. So the Hopper kernel from a 256-key span at d = 64, at
+# any span above. Only windows leaving a row fewer keys than Sk (others are causal calls: the plain table).
 BWD_WS_WINDOW_MIN_SPAN = {64: 256, 128: 1, 256: 1}
 WS_WINDOW_PERSISTENT_BELOW = 4096
 _FWD_WS_WIDE = {False: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, persistent=True, q_stages=2, early_p=True),

@@ -527,9 +527,9 @@ def gradients(do, q, k, v, o, lse, scale: float, causal: bool, dlse=None, *, out
     else:
         delta = torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
         hopper = ws_ok(do, q, k, v, mods, causal)
-        span = _window_span(mods, causal, k.shape[1])  # 0 without a window
+        span = _window_span(mods, causal, k.shape[1])  # 0 without a window, Sk where it leaves a row every key
         # the table takes the Hopper kernel where it measured faster: windows at d = 64 from a 256-key span
-        table_hopper = hopper and (not span or BWD_WS_WINDOW_MIN_SPAN.get(d, 1) <= span)
+        table_hopper = hopper and (span in (0, k.shape[1]) or BWD_WS_WINDOW_MIN_SPAN.get(d, 1) <= span)
         windowed = table_hopper and span > 0  # a causal window: the Hopper kernel's causal launch
         cfg = config or bwd_config(d, dv_dim, q.dtype, q.device.type, causal=causal or windowed,
                                    ws_ok=table_hopper and not mods.varlen, seqlen_q=sq, seqlen_k=k.shape[1],
@@ -756,11 +756,11 @@ def _scale_dq(dq_acc, scale: float, dq, block_m: int, keep: bool = False):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Repeats. A training loop runs the backward with the same shapes every step, so a whole-batch call, plain or with a
-# window and sinks as its only variants, keeps its choices (tile, descriptor use) and its launches (``_Step``: the dQ and dK/dV kernels, or with a fused dQ the
-# preprocess kernel, the dK/dV kernel and the pass that scales dQ), keyed by the metadata they depend on; a repeat
-# only swaps the tensors in (``Relaunch``) with descriptors around them (the Gluon kernel's kept by address:
-# ``forward_sm90.descriptor``). All must be ready before any starts; where one is not (a hook set, an alignment
-# changed...), the call takes the full path, which keeps a fresh step.
+# window and sinks as its only variants, keeps its choices (tile, descriptor use) and its launches (``_Step``: the dQ
+# and dK/dV kernels, or with a fused dQ the preprocess kernel, the dK/dV kernel and the pass that scales dQ), keyed by
+# the metadata they depend on; a repeat only swaps the tensors in (``Relaunch``) with descriptors around them (the
+# Gluon kernel's kept by address: ``forward_sm90.descriptor``). All must be ready before any starts; where one is not
+# (a hook set, an alignment changed...), the call takes the full path, which keeps a fresh step.
 
 
 class _Step:
