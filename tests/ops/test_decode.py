@@ -211,7 +211,10 @@ def test_merge_at_once_only_where_the_grid_fits_the_sms():
     assert merge(plan(8), 16, 128) == (16, 4)  # exactly one program per SM
     assert merge(plan(8, rows=3), 12, 132) == (16, 4)  # both padded to powers of two
     assert merge(plan(16 * 8), 8, 132) == (0, 0)  # B = 16: 1024 programs, more than one per SM
-    assert merge(plan(8), 32, 1024) == (0, 0)  # 32 x 4 x 128 float32: past MERGE_AT_ONCE_MAX_ELEMENTS
+    assert merge(plan(8), 32, 1024) == (32, 4)  # 32 x 4 x 128 float32: MERGE_AT_ONCE_MAX_ELEMENTS
+    assert merge(plan(8), 64, 1024) == (0, 0)  # 64 x 4 x 128: past it
+    assert merge(plan(8, rows=8), 32, 1024) == (0, 0)
+    assert merge(plan(8), 32, 264) == (32, 4)  # the short-cache tile: two programs per SM (slots = 2 x SMs)
     assert merge(plan(8, row_blocks=2, rows=80), 4, 132) == (0, 0)  # rows in two blocks
     assert merge(plan(8), 1, 132) == (0, 0)  # one split: nothing to merge
 
@@ -332,21 +335,30 @@ def test_split_heuristic():
     assert C.decode_num_splits(16 * 8, 131072, sms, 128, balance=False) == 1
     assert C.decode_num_splits(8 * 8, 32768, sms, 128, balance=False) == 2
     assert C.decode_num_splits(1 * 8, 131072, sms, 128, balance=False) == 16
+    # two programs per SM over chunks of one block or more (the short-cache tile)
+    assert C.decode_num_splits(1 * 8, 4096, sms, block, balance=False, per_sm=2, min_blocks=1) == 33
+    assert C.decode_num_splits(1 * 8, 1024, sms, block, balance=False, per_sm=2, min_blocks=1) == 16
 
 
 def test_launcher_splits_as_its_tile_says(monkeypatch):
     """_choose counts splits with the chosen tile's balance: the long tile fills the SMs and no more (B = 64, 128k:
     one split; B = 8, 32k: two), the 64-key tile of a full grid keeps its balance splits (B = 64, 4k: one; with
-    64-key blocks at 32k, eight). Zero-stride caches stand in for the long ones (nothing is launched)."""
+    64-key blocks at 32k, eight), and the short-cache tile fills two programs per SM, no more splits than its at-once
+    merge holds. Zero-stride caches stand in for the long ones (nothing is launched)."""
     monkeypatch.setattr(D, "_sm_count", lambda device: 132)
     monkeypatch.setattr(D, "decode_config", lambda d, dv, dtype, device_type, **kw: C.decode_config(
         d, dv, dtype, "cuda", **kw))
-    for b, length, tile, splits in ((64, 131072, LONG, 1), (8, 32768, LONG, 2),
-                                    (64, 4096, C.DecodeConfig(64, 64, 4, 2), 1), (1, 4096, C.DecodeConfig(64, 64, 4, 3), 16)):
-        q = torch.zeros(b, 1, 32, 128, dtype=torch.bfloat16)
-        cache = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16).expand(b, length, 8, 128)
+    for b, hq, hkv, length, tile, splits in (
+            (64, 32, 8, 131072, LONG, 1), (8, 32, 8, 32768, LONG, 2),
+            (64, 32, 8, 4096, C.DecodeConfig(64, 64, 4, 2), 1),
+            (1, 32, 8, 8192, LONG, 16), (1, 32, 8, 4096, SHORT, 32), (1, 32, 8, 1024, SHORT, 16),
+            (2, 32, 8, 2048, SHORT, 16), (1, 32, 32, 1024, SHORT, 8),
+            (1, 8, 2, 16384, SHORT, 32), (1, 64, 8, 4096, SHORT, 16)):  # the last two: as many as merge at once
+        q = torch.zeros(b, 1, hq, 128, dtype=torch.bfloat16)
+        cache = torch.zeros(1, 1, hkv, 128, dtype=torch.bfloat16).expand(b, length, hkv, 128)
         chosen = D._choose(D._Step(), q, cache, cache, None, False, length, 0, None)
-        assert (chosen[0], chosen[2]) == (tile, splits)
+        assert (chosen[0], chosen[2]) == (tile, splits), (b, hq, hkv, length)
+        assert bool(D._merge_at_once(chosen[1], chosen[2], 132 * tile.per_sm)["MERGE_SPLITS"]) == (chosen[2] > 1)
     q = torch.zeros(64, 1, 32, 128, dtype=torch.bfloat16)
     cache = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16).expand(64, 32768, 8, 128)
     chosen = D._choose(D._Step(), q, cache, cache, None, False, 32768, 0, C.DecodeConfig(64, 64, 4, 2))
@@ -365,6 +377,7 @@ def test_growing_lengths_reuse_one_step(monkeypatch):
 
 
 LONG = C.DecodeConfig(128, 64, 4, 3, balance=False)  # the long-chunk tile: its split count only fills the SMs
+SHORT = C.DecodeConfig(64, 64, 4, 2, balance=False, per_sm=2, min_blocks=1)  # short caches: two programs per SM
 
 
 def test_decode_tiles_count_row_blocks_and_given_splits():
@@ -386,9 +399,12 @@ def test_decode_tiles():
     it from DECODE_LONG_MIN_KEYS keys per chunk, and 64-key, 4-warp, 2-stage tiles below."""
     pick = lambda bh, length: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=bh, max_seqlen_k=length,
                                               num_sms=132)
-    for bh, length in ((8, 4096), (8, 0), (128, 0), (128, 511)):  # B = 1 splits 16 ways: chunks of 256 keys
+    for bh, length in ((8, 0), (128, 0), (128, 511), (128, 256), (8, 300)):  # lengths unknown, or too few splits
         assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 3)
+    for bh, length in ((8, 1024), (8, 4096), (16, 2048), (32, 1024), (2, 16384)):  # fill chunks of <= 256 keys
+        assert pick(bh, length) == SHORT
     for bh, length in ((8, 8192), (8, 32768), (8, 131072), (128, 512), (128, 4096), (128, 32768), (512, 16384),
+                       (16, 4096), (32, 4096),
                        (512, 131072), (64, 32768), (32, 131072)):
         assert pick(bh, length) == LONG
     assert C.decode_config(64, 64, torch.bfloat16, "cuda", batch_heads=8, max_seqlen_k=131072,
@@ -484,6 +500,23 @@ def test_benchmark_shapes_bf16(b, length):
     for i in sorted({0, b // 2, b - 1}):
         _check_decode_rows(q[i : i + 1], k_cache[i : i + 1], v_cache[i : i + 1], o[i : i + 1], lse[i : i + 1],
                            [length], torch.bfloat16)
+
+
+@gpu
+@pytest.mark.parametrize("b,hq,hkv,lengths", [(1, 32, 8, [1024]), (1, 32, 8, [4096]), (2, 32, 8, [2048, 700]),
+                                              (1, 32, 32, [1000]), (1, 8, 2, [16384]), (1, 64, 8, [4096])])
+def test_short_caches_bf16(b, hq, hkv, lengths):
+    """Short caches take the two-programs-per-SM tile with automatic splits (chunks of one to four blocks, merged at
+    once): the rows against float64, and the choice itself, so these shapes keep testing that tile."""
+    length = max(lengths)
+    q = torch.randn(b, 1, hq, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(b, length, hkv, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn_like(k_cache)
+    lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    tile, plan, splits = D._choose(D._Step(), q, k_cache, v_cache, None, False, length, 0, None)
+    assert tile.per_sm == 2 and splits > 1 and D._merge_at_once(plan, splits, 1 << 20)["MERGE_SPLITS"]
+    o, lse = onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, return_lse=True)
+    _check_decode_rows(q, k_cache, v_cache, o, lse, lengths, torch.bfloat16)
 
 
 @gpu

@@ -634,6 +634,9 @@ def merge_config(device_type: str) -> MergeConfig:
     return _MERGE_CUDA if device_type == "cuda" else _MERGE_INTERPRETER
 
 
+DECODE_MIN_BLOCKS_PER_SPLIT = 4  # a tile's default fewest blocks per chunk (the split rule below says why)
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     block_n: int  # keys per block
@@ -641,6 +644,8 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     balance: bool = True  # the split rule also cuts long caches of full grids into chunks (decode_num_splits)
+    per_sm: int = 1  # programs per SM the split rule fills (decode_num_splits)
+    min_blocks: int = DECODE_MIN_BLOCKS_PER_SPLIT  # fewest key blocks in a split's chunk
 
 
 _DECODE_INTERPRETER = DecodeConfig(block_n=32, block_m=64, num_warps=4, num_stages=1)
@@ -675,6 +680,18 @@ _DECODE_HALF_FILL = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4,
 #     the long tile's own (unbalanced) split count fills the SMs at most once, 512 keys a chunk suffice, as in the
 #     fill grids (B = 16 at 8k, B = 4 at 32k, B = 2 at 64k: between measured points, unmeasured themselves).
 _DECODE_LONG = {128: DecodeConfig(128, 64, 4, 3, balance=False)}
+# - Short caches: two programs per SM over chunks of one to four 64-key blocks, 2 stages, no balance splits, where
+#   one program per SM (the fill split count) would leave chunks of at most DECODE_SHORT_MAX_KEYS keys and at least
+#   DECODE_SHORT_MIN_SPLITS splits (d = 128 only). The merge then loads every partial at once (decode.py caps the
+#   split count to what it holds). NOTES v36 (.devrun/dec44*.py, graph-timed, two rounds, SDPA's default in the same
+#   process; Hq / Hkv, B, L: old choice -> this, µs): 32 / 8, B = 1, L = 1k 9.5-9.7 -> 6.7 (16 splits, SDPA
+#   6.2-6.6), 2k 9.8-9.9 -> 7.8-7.9 (32; 7.2), 4k 9.9-10.1 -> 9.3-9.5 (32; 8.9-9.3); B = 2, L = 2k 10.1-10.3 ->
+#   10.0-10.3 (16); 32 / 32, B = 1, L = 1k 8.8-8.9 -> 8.4 (8); 8 / 2, B = 1, L = 4k 9.5-9.6 -> 8.8-9.0 (33 splits).
+#   Chunks of 512 keys split twice as fine gave mixed results (B = 1, L = 8k 13.1 -> 12.2; B = 2, L = 4k 12.6 ->
+#   13.8), so the fill tiles keep them.
+_DECODE_SHORT = {128: DecodeConfig(64, 64, 4, 2, balance=False, per_sm=2, min_blocks=1)}
+DECODE_SHORT_MAX_KEYS = 256
+DECODE_SHORT_MIN_SPLITS = 4
 DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the long tile's grid has more programs than SMs (4k < it <= 32k)
 # - Paged caches (session 18, sweep_decode.py --paged 256 at fbc1758, graph-timed, d = 128 bf16, Hq 32, Hkv 8): the
 #   page id feeds each block's K/V addresses, so the pipeliner keeps fewer K/V loads in flight than for a contiguous
@@ -706,6 +723,10 @@ def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_typ
     fill = 0 < batch_heads * splits <= num_sms  # at most one program per SM
     if paged and padded in _DECODE_PAGED:
         return (_DECODE_PAGED_FILL if fill else _DECODE_PAGED)[padded]
+    short = _DECODE_SHORT.get(padded)
+    if (short is not None and fill and not paged and not num_splits and max_seqlen_k > 0
+            and splits >= DECODE_SHORT_MIN_SPLITS and -(-max_seqlen_k // splits) <= DECODE_SHORT_MAX_KEYS):
+        return short
     long = _DECODE_LONG.get(padded)
     if long is not None and not paged:
         if fill:  # chunks of at least DECODE_MIN_BLOCKS_PER_SPLIT 128-key blocks
@@ -733,19 +754,21 @@ def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_typ
 #   128k (2048 blocks, capped at 16), against <= 4.41 for one split. Measured with the 64-key 2-stage tile; the
 #   long-chunk tile (_DECODE_LONG, balance=False) streams as well unsplit (v19) and skips this need.
 # Every chunk keeps at least DECODE_MIN_BLOCKS_PER_SPLIT blocks (B = 1, L = 4k: 8 splits of 4 128-key blocks took
-# 18.0 us in v1; 16 splits of 4 64-key blocks 11.6 us at 3d9bcdd), and there are never more than DECODE_MAX_SPLITS.
+# 18.0 us in v1; 16 splits of 4 64-key blocks 11.6 us at 3d9bcdd; a tile's ``min_blocks``, one for the short-cache
+# tile, whose two programs per SM merge at once), and there are never more than DECODE_MAX_SPLITS.
 DECODE_BALANCE_BLOCKS = 64
 DECODE_BALANCE_MAX_SPLITS = 16
-DECODE_MIN_BLOCKS_PER_SPLIT = 4
 DECODE_MAX_SPLITS = 128
 INTERPRETER_SMS = 8  # a stand-in SM count for CPU tensors under the interpreter
 
 
-def decode_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: int, balance: bool = True) -> int:
+def decode_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: int, balance: bool = True,
+                      per_sm: int = 1, min_blocks: int = DECODE_MIN_BLOCKS_PER_SPLIT) -> int:
     """Key chunks per (sequence, kv head) for a grid of ``programs`` per split, keys up to ``max_seqlen_k``; without
-    ``balance`` (the tile's ``DecodeConfig.balance``) only the fill need counts."""
+    ``balance`` (the tile's ``DecodeConfig.balance``) only the fill need counts: ``per_sm`` programs per SM, chunks
+    of at least ``min_blocks`` blocks (the tile's fields)."""
     blocks = -(-max_seqlen_k // block_n)
-    fill = num_sms // max(programs, 1)
+    fill = per_sm * num_sms // max(programs, 1)
     balance = min(DECODE_BALANCE_MAX_SPLITS, blocks // DECODE_BALANCE_BLOCKS) if balance else 1
-    most = min(DECODE_MAX_SPLITS, blocks // DECODE_MIN_BLOCKS_PER_SPLIT)
+    most = min(DECODE_MAX_SPLITS, blocks // min_blocks)
     return max(1, min(most, max(fill, balance)))

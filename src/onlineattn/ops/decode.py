@@ -227,8 +227,11 @@ MERGE_PIPELINE_MAX_ELEMENTS = 16 * 128
 # warps), and the grid is at most one program per SM, the merging split loads them in one go (_merge_splits_at_once)
 # instead of looping over the splits. NOTES v19 (graph-timed, d = 128, Hq 32, Hkv 8): B = 1, L = 4k 11.2 -> 10.0 us,
 # L = 32k 40.1 -> 38.5 us; over fuller grids it tied or lost (B = 16, L = 32k: 2 splits 548 -> 561 us, 8 splits
-# 490 -> 513 us), so those keep the loop (_merge_at_once).
-MERGE_AT_ONCE_MAX_ELEMENTS = 8192
+# 490 -> 513 us), so those keep the loop (_merge_at_once). The short-cache tile (_configs._DECODE_SHORT) fills two
+# programs per SM and merges at once over them; its split count stays within what the at-once merge holds. 16384
+# float32 (128 registers a thread) from NOTES v36: B = 1, Hq 64 / Hkv 8, L = 4k, 16 splits of 8 rows 12.0 -> 11.4-11.6
+# us, and the short tile's 32 splits of 4 rows (1.8-2.4 us faster at L = 2k than the loop).
+MERGE_AT_ONCE_MAX_ELEMENTS = 16384
 
 
 @dataclass(frozen=True, eq=False)
@@ -370,24 +373,30 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         step.relaunches[cfg, splits] = prepare(
             decode_kernel, grid, len(tensors), *tensors, *plan.strides,
             sq, new, splits, scale * LOG2E,
-            SPLIT=splits > 1, STORE_LSE=lse is not None, **_merge_at_once(plan, splits, _sm_count(device)),
+            SPLIT=splits > 1, STORE_LSE=lse is not None, **_merge_at_once(plan, splits, _sm_count(device) * cfg.per_sm),
             **plan.constexprs,
         )
     return o, lse
 
 
-def _merge_at_once(plan: _Plan, splits: int, num_sms: int) -> dict:
+def _merge_at_once(plan: _Plan, splits: int, slots: int) -> dict:
     """The kernel's MERGE_SPLITS and MERGE_ROWS: the split count and the packed rows, padded to powers of two, where
     the merging split loads every partial at once, else both 0 (the pipelined loop; one build serves every row
     count). At once only where the rows are in one row block, the partials fit MERGE_AT_ONCE_MAX_ELEMENTS float32,
-    and the grid is at most one program per SM: there the last split's merge is the launch's critical path. Over
-    fuller grids the loop stays (NOTES v19: at B = 16, L = 32k with 8 splits the merge at once read 511-518 us
-    against the loop's 490)."""
-    rows, padded = next_power_of_2(plan.rows), next_power_of_2(splits)
-    fill = plan.grid_bh * plan.row_blocks * splits <= num_sms
-    at_once = (splits > 1 and plan.row_blocks == 1 and fill
-               and padded * rows * plan.constexprs["BLOCK_DV"] <= MERGE_AT_ONCE_MAX_ELEMENTS)
-    return {"MERGE_SPLITS": padded, "MERGE_ROWS": rows} if at_once else {"MERGE_SPLITS": 0, "MERGE_ROWS": 0}
+    and the grid has at most ``slots`` programs (SMs times the tile's programs per SM): there the last split's merge
+    is the launch's critical path. Over fuller grids the loop stays (NOTES v19: at B = 16, L = 32k with 8 splits the
+    merge at once read 511-518 us against the loop's 490)."""
+    padded = next_power_of_2(splits)
+    fits = plan.grid_bh * plan.row_blocks * splits <= slots
+    if not (splits > 1 and plan.row_blocks == 1 and fits and padded <= _at_once_splits(plan)):
+        return {"MERGE_SPLITS": 0, "MERGE_ROWS": 0}
+    return {"MERGE_SPLITS": padded, "MERGE_ROWS": next_power_of_2(plan.rows)}
+
+
+def _at_once_splits(plan: _Plan) -> int:
+    """The most splits whose partials the at-once merge holds: a power of two, or 0 if not even one split fits."""
+    fit = MERGE_AT_ONCE_MAX_ELEMENTS // (next_power_of_2(plan.rows) * plan.constexprs["BLOCK_DV"])
+    return 1 << (fit.bit_length() - 1) if fit else 0
 
 
 class _Step:
@@ -418,6 +427,8 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
     if plan is None:
         plan = step.plans[config] = _make_plan(q, k_cache, v_cache, block_table, config, causal)
     splits = num_splits or decode_num_splits(plan.grid_bh * plan.row_blocks, longest, sms, config.block_n,
-                                             config.balance)
+                                             config.balance, config.per_sm, config.min_blocks)
+    if not num_splits and config.per_sm > 1 and plan.row_blocks == 1:  # a tile that merges at once over its splits
+        splits = max(1, min(splits, _at_once_splits(plan)))
     splits = max(1, min(splits, cdiv(longest, config.block_n)))  # more would only add empty chunks
     return config, plan, splits
