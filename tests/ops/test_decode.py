@@ -352,8 +352,8 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
             (64, 32, 8, 131072, LONG, 1), (8, 32, 8, 32768, LONG, 2),
             (64, 32, 8, 4096, C.DecodeConfig(64, 64, 4, 2), 1),
             (1, 32, 8, 8192, LONG, 16), (1, 32, 8, 4096, SHORT, 32), (1, 32, 8, 1024, SHORT, 16),
-            (2, 32, 8, 2048, SHORT, 16), (1, 32, 32, 1024, SHORT, 8),
-            (1, 8, 2, 16384, SHORT, 32), (1, 64, 8, 4096, SHORT, 16)):  # the last two: as many as merge at once
+            (1, 32, 32, 1024, SHORT, 8), (1, 8, 2, 16384, SHORT, 32),  # the last: as many as merge at once
+            (2, 32, 8, 2048, C.DecodeConfig(64, 64, 4, 3), 8), (1, 64, 8, 4096, C.DecodeConfig(64, 64, 4, 3), 16)):
         q = torch.zeros(b, 1, hq, 128, dtype=torch.bfloat16)
         cache = torch.zeros(1, 1, hkv, 128, dtype=torch.bfloat16).expand(b, length, hkv, 128)
         chosen = D._choose(D._Step(), q, cache, cache, None, False, length, 0, None)
@@ -398,11 +398,15 @@ def test_decode_tiles():
     blocks, no balance splits) where every chunk still holds DECODE_MIN_BLOCKS_PER_SPLIT of them; fuller grids take
     it from DECODE_LONG_MIN_KEYS keys per chunk, and 64-key, 4-warp, 2-stage tiles below."""
     pick = lambda bh, length: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=bh, max_seqlen_k=length,
-                                              num_sms=132)
+                                              num_sms=132, rows=32)
     for bh, length in ((8, 0), (128, 0), (128, 511), (128, 256), (8, 300)):  # lengths unknown, or too few splits
         assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 3)
     for bh, length in ((8, 1024), (8, 4096), (16, 2048), (32, 1024), (2, 16384)):  # fill chunks of <= 256 keys
         assert pick(bh, length) == SHORT
+    short = lambda bh, length, rows: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=bh,  # noqa: E731
+                                                     max_seqlen_k=length, num_sms=132, rows=rows)
+    assert short(8, 4096, 32) == SHORT and short(8, 4096, 64) != SHORT  # B = 1 with Hq 32, not Hq 64
+    assert short(32, 1024, 32) == SHORT and short(32, 1024, 128) != SHORT  # 32 kv heads, not B = 4 of 8
     for bh, length in ((8, 8192), (8, 32768), (8, 131072), (128, 512), (128, 4096), (128, 32768), (512, 16384),
                        (16, 4096), (32, 4096),
                        (512, 131072), (64, 32768), (32, 131072)):
@@ -503,8 +507,8 @@ def test_benchmark_shapes_bf16(b, length):
 
 
 @gpu
-@pytest.mark.parametrize("b,hq,hkv,lengths", [(1, 32, 8, [1024]), (1, 32, 8, [4096]), (2, 32, 8, [2048, 700]),
-                                              (1, 32, 32, [1000]), (1, 8, 2, [16384]), (1, 64, 8, [4096])])
+@pytest.mark.parametrize("b,hq,hkv,lengths", [(1, 32, 8, [1024]), (1, 32, 8, [4096]), (2, 16, 4, [2048, 700]),
+                                              (1, 32, 32, [1000]), (1, 8, 2, [16384]), (1, 16, 16, [2001])])
 def test_short_caches_bf16(b, hq, hkv, lengths):
     """Short caches take the two-programs-per-SM tile with automatic splits (chunks of one to four blocks, merged at
     once): the rows against float64, and the choice itself, so these shapes keep testing that tile."""

@@ -685,13 +685,17 @@ _DECODE_LONG = {128: DecodeConfig(128, 64, 4, 3, balance=False)}
 #   DECODE_SHORT_MIN_SPLITS splits (d = 128 only). The merge then loads every partial at once (decode.py caps the
 #   split count to what it holds). NOTES v36 (.devrun/dec44*.py, graph-timed, two rounds, SDPA's default in the same
 #   process; Hq / Hkv, B, L: old choice -> this, µs): 32 / 8, B = 1, L = 1k 9.5-9.7 -> 6.7 (16 splits, SDPA
-#   6.2-6.6), 2k 9.8-9.9 -> 7.8-7.9 (32; 7.2), 4k 9.9-10.1 -> 9.3-9.5 (32; 8.9-9.3); B = 2, L = 2k 10.1-10.3 ->
-#   10.0-10.3 (16); 32 / 32, B = 1, L = 1k 8.8-8.9 -> 8.4 (8); 8 / 2, B = 1, L = 4k 9.5-9.6 -> 8.8-9.0 (33 splits).
+#   6.2-6.6), 2k 9.8-9.9 -> 7.8-7.9 (32; 7.2), 4k 9.9-10.1 -> 9.3-9.5 (32; 8.9-9.3); 32 / 32, B = 1, L = 1k
+#   8.8-8.9 -> 8.4 (8); 8 / 2, B = 1, L = 4k 9.5-9.6 -> 8.8-9.0, 16k 20.2 -> 15.5 (33 splits).
 #   Chunks of 512 keys split twice as fine gave mixed results (B = 1, L = 8k 13.1 -> 12.2; B = 2, L = 4k 12.6 ->
-#   13.8), so the fill tiles keep them.
+#   13.8), so the fill tiles keep them. Grids of more than DECODE_SHORT_MAX_ROWS query rows (B · Sq · Hq) lost with
+#   the same programs and chunks (.devrun/dab44.py, b59a84b against bb92c8f, alternating processes: 32 / 8, B = 2, L =
+#   2k 9.5 -> 10.8; B = 4, L = 1k 9.3 -> 10.5; 64 / 8, B = 1, L = 4k 11.0 -> 11.8; cause not found), so they keep
+#   the fill tiles too.
 _DECODE_SHORT = {128: DecodeConfig(64, 64, 4, 2, balance=False, per_sm=2, min_blocks=1)}
 DECODE_SHORT_MAX_KEYS = 256
 DECODE_SHORT_MIN_SPLITS = 4
+DECODE_SHORT_MAX_ROWS = 32
 DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the long tile's grid has more programs than SMs (4k < it <= 32k)
 # - Paged caches (session 18, sweep_decode.py --paged 256 at fbc1758, graph-timed, d = 128 bf16, Hq 32, Hkv 8): the
 #   page id feeds each block's K/V addresses, so the pipeliner keeps fewer K/V loads in flight than for a contiguous
@@ -710,10 +714,11 @@ _DECODE_FP32 = {16: DecodeConfig(32, 64, 4, 2), 32: DecodeConfig(32, 64, 4, 2), 
 
 
 def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_type: str, *, batch_heads: int = 0,
-                  max_seqlen_k: int = 0, num_sms: int = 0, num_splits: int = 0, paged: bool = False) -> DecodeConfig:
+                  max_seqlen_k: int = 0, num_sms: int = 0, num_splits: int = 0, paged: bool = False,
+                  rows: int = 0) -> DecodeConfig:
     """The tile for a decode launch of ``batch_heads`` programs per split ((sequence, kv head) pairs times row
-    blocks), keys up to ``max_seqlen_k`` (0: unknown, counted as one split), ``num_splits`` (0: automatic) and a
-    paged cache or not."""
+    blocks), keys up to ``max_seqlen_k`` (0: unknown, counted as one split), ``num_splits`` (0: automatic), a paged
+    cache or not, and ``rows`` query rows in all (B · Sq · Hq; 0: unknown)."""
     if device_type != "cuda":
         return _DECODE_INTERPRETER
     padded = _padded(max(head_dim, head_dim_v))
@@ -725,7 +730,8 @@ def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_typ
         return (_DECODE_PAGED_FILL if fill else _DECODE_PAGED)[padded]
     short = _DECODE_SHORT.get(padded)
     if (short is not None and fill and not paged and not num_splits and max_seqlen_k > 0
-            and splits >= DECODE_SHORT_MIN_SPLITS and -(-max_seqlen_k // splits) <= DECODE_SHORT_MAX_KEYS):
+            and 0 < rows <= DECODE_SHORT_MAX_ROWS and splits >= DECODE_SHORT_MIN_SPLITS
+            and -(-max_seqlen_k // splits) <= DECODE_SHORT_MAX_KEYS):
         return short
     long = _DECODE_LONG.get(padded)
     if long is not None and not paged:
