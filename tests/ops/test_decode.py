@@ -365,6 +365,22 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
     assert chosen[2] == 8  # balance: 512 blocks / 64
 
 
+@pytest.mark.parametrize("sms,causal_build", [(1, False), (1 << 20, True)], ids=["pairs-past-sms", "fill"])
+def test_one_token_causal_build(sms, causal_build, monkeypatch):
+    """One query token sees every key, so a causal call launches the plain build where (sequence, kv head) pairs
+    exceed the SMs and keeps the causal one elsewhere (the faster build of each, NOTES v36); the rows are the same."""
+    monkeypatch.setattr(D, "_STEPS", {})
+    monkeypatch.setattr(D, "_sm_count", lambda device: sms)
+    q, k, v = _sequence(2, 70, 4, 2, 16, 16, torch.float32, seed=16)
+    lens = torch.tensor([70, 33], dtype=torch.int32, device=DEVICE)
+    o, lse = D.attention_with_kvcache(q[:, -1:], k, v, None, None, lens, None, 0.25, True, 2)
+    (key,) = D._STEPS
+    assert key[1] is causal_build
+    exact = R.kvcache_attention(q[:, -1:], k, v, cache_seqlens=lens, softmax_scale=0.25)
+    R.assert_within_rule("o", o, exact[0], dtype_name="float32")
+    R.assert_within_rule("lse", lse, exact[1], dtype_name="float32")
+
+
 def test_growing_lengths_reuse_one_step(monkeypatch):
     """The step memo leaves the lengths out of its key (they grow by one per decoding step): the split count is
     recomputed, the plan and its relaunches are kept."""
