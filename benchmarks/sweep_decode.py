@@ -12,7 +12,7 @@ Usage (on the GPU machine):
 sleep kernel after the clear), so the events time the kernel's own work from HBM, without the host: what an eager
 decode step costs on the device when other work (the model's other layers) has evicted this layer's K/V.
 
-Each case prints the automatic choice ("auto": ``decode_config`` + ``decode_num_splits``) beside the best measured
+Each case prints the automatic choice ("auto": the launcher's ``decode._choose``) beside the best measured
 ones, so a rule that misses shows as a gap. The winners go into src/onlineattn/ops/_configs.py with the reason.
 """
 
@@ -27,7 +27,7 @@ import triton.testing
 from onlineattn.api import attention_with_kvcache as api_call
 from onlineattn.bench.rows import time_cold
 from onlineattn.ops import _configs as C
-from onlineattn.ops.decode import _sm_count
+from onlineattn.ops import decode as decode_ops
 from onlineattn.ops.decode import attention_with_kvcache as kernel_call
 
 HQ, HKV, D = 32, 8, 128
@@ -54,12 +54,10 @@ def _inputs(b, length, page=0):
     return q, k, v, lens, table
 
 
-def _auto(b, length, paged=False):
-    """The launcher's own choice for this case: (tile, splits)."""
-    sms = _sm_count(torch.device("cuda"))
-    tile = C.decode_config(D, D, torch.bfloat16, "cuda", batch_heads=b * HKV, max_seqlen_k=length, num_sms=sms,
-                           paged=paged)
-    return tile, C.decode_num_splits(b * HKV, length, sms, tile.block_n, tile.balance)
+def _auto(q, k, v, table, length, splits=0, tile=None):
+    """The launcher's own choice for this case, (tile, splits): ``decode._choose``, as a launch would make it."""
+    chosen = decode_ops._choose(decode_ops._Step(), q, k, v, table, False, length, splits, tile)
+    return chosen[0], chosen[2]
 
 
 def _tile(text):
@@ -75,7 +73,7 @@ def _label(tile, splits):
 def sweep_case(b, length, tiles, splits_list, results, cold=False, page=0, cross=False):
     q, k, v, lens, table = _inputs(b, length, page)
     tbps = lambda ms: 2 * b * length * HKV * D * 2 / ms / 1e9
-    auto_tile, auto_splits = _auto(b, length, paged=bool(page))
+    auto_tile, auto_splits = _auto(q, k, v, table, length)
     configs = [("auto", auto_tile, auto_splits)]
     configs += [("tile", t, 0) for t in tiles]
     configs += [("splits", t, s) for t in (tiles if cross else [auto_tile]) for s in splits_list]
@@ -91,7 +89,7 @@ def sweep_case(b, length, tiles, splits_list, results, cold=False, page=0, cross
         except Exception as err:
             print(f"  B={b} L={length} {_label(tile, splits)}: {type(err).__name__}: {str(err)[:80]}", flush=True)
             continue
-        used = splits or C.decode_num_splits(b * HKV, length, _sm_count(q.device), tile.block_n, tile.balance)
+        used = splits or _auto(q, k, v, table, length, splits, tile)[1]
         scores.append((tbps(ms), ms, tile, used, kind))
         results.append({"B": b, "L": length, "page": page, "kind": kind, "cold": cold, "tile": tile.__dict__, "splits": used,
                         "us": round(ms * 1e3, 2), "tbps": round(tbps(ms), 3)})

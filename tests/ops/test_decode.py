@@ -177,7 +177,7 @@ def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, at_onc
     monkeypatch.setattr(D, "_WORKSPACES", {})
     monkeypatch.setattr(D, "_STEPS", {})  # no launch kept from another case: each case chooses its merge afresh
     monkeypatch.setattr(D, "_workspace", poisoned)
-    monkeypatch.setattr(D, "MERGE_AT_ONCE_MAX_ELEMENTS", D.MERGE_AT_ONCE_MAX_ELEMENTS if at_once else 0)
+    monkeypatch.setattr(C, "MERGE_AT_ONCE_MAX_ELEMENTS", C.MERGE_AT_ONCE_MAX_ELEMENTS if at_once else 0)
     monkeypatch.setattr(D, "_sm_count", lambda device: 1 << 20)  # every grid here counts as one program per SM
     monkeypatch.setattr(D, "_merge_at_once", lambda *args: taken.append(real_at_once(*args)) or taken[-1])
     b, d = 2, 16
@@ -352,13 +352,16 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
             (64, 32, 8, 131072, LONG, 1), (8, 32, 8, 32768, LONG, 2),
             (64, 32, 8, 4096, C.DecodeConfig(64, 64, 4, 2), 1),
             (1, 32, 8, 8192, LONG, 16), (1, 32, 8, 4096, SHORT, 32), (1, 32, 8, 1024, SHORT, 16),
-            (1, 32, 32, 1024, SHORT, 8), (1, 8, 2, 16384, SHORT, 32),  # the last: as many as merge at once
+            (1, 32, 32, 1024, SHORT, 8), (1, 8, 2, 16384, SHORT, 32), (1, 28, 4, 8192, SHORT, 16),  # capped
+            # wide groups: the at-once merge would hold 4 or 8 splits, chunks past DECODE_SHORT_MAX_MERGED_KEYS
+            (1, 32, 1, 8192, C.DecodeConfig(64, 64, 4, 3), 32), (1, 32, 2, 8192, C.DecodeConfig(64, 64, 4, 3), 32),
             (2, 32, 8, 2048, C.DecodeConfig(64, 64, 4, 3), 8), (1, 64, 8, 4096, C.DecodeConfig(64, 64, 4, 3), 16)):
         q = torch.zeros(b, 1, hq, 128, dtype=torch.bfloat16)
         cache = torch.zeros(1, 1, hkv, 128, dtype=torch.bfloat16).expand(b, length, hkv, 128)
         chosen = D._choose(D._Step(), q, cache, cache, None, False, length, 0, None)
         assert (chosen[0], chosen[2]) == (tile, splits), (b, hq, hkv, length)
-        assert bool(D._merge_at_once(chosen[1], chosen[2], 132 * tile.per_sm)["MERGE_SPLITS"]) == (chosen[2] > 1)
+        if tile.per_sm > 1:
+            assert D._merge_at_once(chosen[1], chosen[2], 132 * tile.per_sm)["MERGE_SPLITS"]
     q = torch.zeros(64, 1, 32, 128, dtype=torch.bfloat16)
     cache = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16).expand(64, 32768, 8, 128)
     chosen = D._choose(D._Step(), q, cache, cache, None, False, 32768, 0, C.DecodeConfig(64, 64, 4, 2))
@@ -417,10 +420,11 @@ def test_decode_tiles():
                                               num_sms=132, rows=32)
     for bh, length in ((8, 0), (128, 0), (128, 511), (128, 256), (8, 300)):  # lengths unknown, or too few splits
         assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 3)
-    for bh, length in ((8, 1024), (8, 4096), (16, 2048), (32, 1024), (2, 16384)):  # fill chunks of <= 256 keys
-        assert pick(bh, length) == SHORT
     short = lambda bh, length, rows: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=bh,  # noqa: E731
                                                      max_seqlen_k=length, num_sms=132, rows=rows)
+    for bh, length, rows in ((8, 1024, 32), (8, 4096, 32), (16, 2048, 32), (32, 1024, 32), (2, 16384, 8)):
+        assert short(bh, length, rows) == SHORT  # fill chunks of <= 256 keys
+    assert short(2, 16384, 32) != SHORT  # 16 rows a program: 8 splits merge at once, chunks of 2048 keys
     assert short(8, 4096, 32) == SHORT and short(8, 4096, 64) != SHORT  # B = 1 with Hq 32, not Hq 64
     assert short(32, 1024, 32) == SHORT and short(32, 1024, 128) != SHORT  # 32 kv heads, not B = 4 of 8
     for bh, length in ((8, 8192), (8, 32768), (8, 131072), (128, 512), (128, 4096), (128, 32768), (512, 16384),
@@ -534,7 +538,8 @@ def test_short_caches_bf16(b, hq, hkv, lengths):
     v_cache = torch.randn_like(k_cache)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     tile, plan, splits = D._choose(D._Step(), q, k_cache, v_cache, None, False, length, 0, None)
-    assert tile.per_sm == 2 and splits > 1 and D._merge_at_once(plan, splits, 1 << 20)["MERGE_SPLITS"]
+    slots = D._sm_count(q.device) * tile.per_sm
+    assert tile.per_sm == 2 and splits > 1 and D._merge_at_once(plan, splits, slots)["MERGE_SPLITS"]
     o, lse = onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, return_lse=True)
     _check_decode_rows(q, k_cache, v_cache, o, lse, lengths, torch.bfloat16)
 

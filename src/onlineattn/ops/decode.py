@@ -12,7 +12,8 @@ the memory system busy:
   sequence is cut into ``num_splits`` chunks processed in parallel. Each writes a float32 partial state into a
   scratch buffer and counts itself in with an atomic; the last split of a program to arrive merges all of them, in
   a fixed order (deterministic whichever arrives last; a loop over the splits, or where the grid is at most one
-  program per SM one load of every partial), writes o and lse, and resets its counter for the next launch.
+  program per SM, two for the short-cache tile, one load of every partial), writes o and lse, and resets its counter
+  for the next launch.
   One launch, no second merge kernel. A sequence's chunks follow its own length (read on the device), so sequences
   of different lengths split evenly. With one split the kernel writes o and lse directly.
 - Caches. Contiguous ``[B, L_max, Hkv, D]`` or paged ``[num_pages, page_size, Hkv, D]``: for a paged cache each key
@@ -36,7 +37,7 @@ import triton.language as tl
 from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
                       packed_rows, page_and_slot, row_tile)
-from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_num_splits
+from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_num_splits, merge_at_once_splits
 from ._launch import bounded_put, cdiv, next_power_of_2, prepare
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
 
@@ -222,16 +223,12 @@ def _sm_count(device: torch.device) -> int:
 # packed rows: up to ~100 KiB more, halving the programs per SM) keep the plain loop, unmeasured either way.
 MERGE_STAGES = 4
 MERGE_PIPELINE_MAX_ELEMENTS = 16 * 128
-# Where a program's packed rows are all the rows (one row block) and every split's partials fit in registers at once
-# (splits and rows padded to powers of two, times the padded value dim: 8192 float32 are 64 registers a thread at 4
-# warps), and the grid is at most one program per SM, the merging split loads them in one go (_merge_splits_at_once)
-# instead of looping over the splits. NOTES v19 (graph-timed, d = 128, Hq 32, Hkv 8): B = 1, L = 4k 11.2 -> 10.0 us,
-# L = 32k 40.1 -> 38.5 us; over fuller grids it tied or lost (B = 16, L = 32k: 2 splits 548 -> 561 us, 8 splits
-# 490 -> 513 us), so those keep the loop (_merge_at_once). The short-cache tile (_configs._DECODE_SHORT) fills two
-# programs per SM and merges at once over them; its split count stays within what the at-once merge holds. 16384
-# float32 (128 registers a thread) from NOTES v36: B = 1, Hq 64 / Hkv 8, L = 4k, 16 splits of 8 rows 12.0 -> 11.4-11.6
-# us, and the short tile's 32 splits of 4 rows (1.8-2.4 us faster at L = 2k than the loop).
-MERGE_AT_ONCE_MAX_ELEMENTS = 16384
+# Where a program's packed rows are all the rows (one row block), every split's partials fit in registers at once
+# (_configs.merge_at_once_splits) and the grid has at most the tile's programs per SM, the merging split loads them in
+# one go (_merge_splits_at_once) instead of looping over the splits. NOTES v19 (graph-timed, d = 128, Hq 32, Hkv 8):
+# B = 1, L = 4k 11.2 -> 10.0 us, L = 32k 40.1 -> 38.5 us; over fuller grids it tied or lost (B = 16, L = 32k: 2
+# splits 548 -> 561 us, 8 splits 490 -> 513 us), so those keep the loop (_merge_at_once). The short-cache tile
+# (_configs._DECODE_SHORT) fills two programs per SM and merges at once over them.
 
 
 @dataclass(frozen=True, eq=False)
@@ -388,21 +385,16 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
 def _merge_at_once(plan: _Plan, splits: int, slots: int) -> dict:
     """The kernel's MERGE_SPLITS and MERGE_ROWS: the split count and the packed rows, padded to powers of two, where
     the merging split loads every partial at once, else both 0 (the pipelined loop; one build serves every row
-    count). At once only where the rows are in one row block, the partials fit MERGE_AT_ONCE_MAX_ELEMENTS float32,
-    and the grid has at most ``slots`` programs (SMs times the tile's programs per SM): there the last split's merge
+    count). At once only where the rows are in one row block, the partials fit (``merge_at_once_splits``), and the
+    grid has at most ``slots`` programs (SMs times the tile's programs per SM): there the last split's merge
     is the launch's critical path. Over fuller grids the loop stays (NOTES v19: at B = 16, L = 32k with 8 splits the
     merge at once read 511-518 us against the loop's 490)."""
     padded = next_power_of_2(splits)
     fits = plan.grid_bh * plan.row_blocks * splits <= slots
-    if not (splits > 1 and plan.row_blocks == 1 and fits and padded <= _at_once_splits(plan)):
+    if not (splits > 1 and plan.row_blocks == 1 and fits
+            and padded <= merge_at_once_splits(plan.rows, plan.constexprs["BLOCK_DV"])):
         return {"MERGE_SPLITS": 0, "MERGE_ROWS": 0}
     return {"MERGE_SPLITS": padded, "MERGE_ROWS": next_power_of_2(plan.rows)}
-
-
-def _at_once_splits(plan: _Plan) -> int:
-    """The most splits whose partials the at-once merge holds: a power of two, or 0 if not even one split fits."""
-    fit = MERGE_AT_ONCE_MAX_ELEMENTS // (next_power_of_2(plan.rows) * plan.constexprs["BLOCK_DV"])
-    return 1 << (fit.bit_length() - 1) if fit else 0
 
 
 class _Step:
@@ -434,7 +426,7 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
         plan = step.plans[config] = _make_plan(q, k_cache, v_cache, block_table, config, causal)
     splits = num_splits or decode_num_splits(plan.grid_bh * plan.row_blocks, longest, sms, config.block_n,
                                              config.balance, config.per_sm, config.min_blocks)
-    if not num_splits and config.per_sm > 1 and plan.row_blocks == 1:  # a tile that merges at once over its splits
-        splits = max(1, min(splits, _at_once_splits(plan)))
+    if not num_splits and config.per_sm > 1:  # a tile that merges at once: no more splits than that holds
+        splits = max(1, min(splits, merge_at_once_splits(plan.rows, plan.constexprs["BLOCK_DV"])))
     splits = max(1, min(splits, cdiv(longest, config.block_n)))  # more would only add empty chunks
     return config, plan, splits
