@@ -338,6 +338,11 @@ def test_split_heuristic():
     # two programs per SM over chunks of one block or more (the short-cache tile)
     assert C.decode_num_splits(1 * 8, 4096, sms, block, balance=False, per_sm=2, min_blocks=1) == 33
     assert C.decode_num_splits(1 * 8, 1024, sms, block, balance=False, per_sm=2, min_blocks=1) == 16
+    # a tile of two programs per SM takes no more splits than its at-once merge holds, where it holds more than one
+    short = C.DecodeConfig(64, 64, 4, 2, balance=False, per_sm=2, min_blocks=1)
+    assert C.decode_splits(short, 8, 4096, sms, 4, 128) == 32  # 33 by the fill; 32 x 4 rows x 128 merge at once
+    assert C.decode_splits(short, 8, 4096, sms, 128, 128) == 33  # 128 rows a program: one split at once, so no cap
+    assert C.decode_splits(C.DecodeConfig(64, 64, 4, 3), 8, 4096, sms, 4, 128) == 16  # one program per SM: no cap
 
 
 def test_launcher_splits_as_its_tile_says(monkeypatch):
@@ -368,18 +373,20 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
     assert chosen[2] == 8  # balance: 512 blocks / 64
 
 
-@pytest.mark.parametrize("sms,causal_build", [(1, False), (1 << 20, True)], ids=["pairs-past-sms", "fill"])
-def test_one_token_causal_build(sms, causal_build, monkeypatch):
+@pytest.mark.parametrize("sms,sq,causal_build", [(1, 1, False), (1 << 20, 1, True), (1, 3, True)],
+                         ids=["pairs-past-sms", "fill", "three-tokens"])
+def test_one_token_causal_build(sms, sq, causal_build, monkeypatch):
     """One query token sees every key, so a causal call launches the plain build where (sequence, kv head) pairs
-    exceed the SMs and keeps the causal one elsewhere (the faster build of each, NOTES v36); the rows are the same."""
+    exceed the SMs and keeps the causal one elsewhere (the faster build of each, NOTES v36); more tokens always keep
+    it (their masks are real). The rows against the oracle."""
     monkeypatch.setattr(D, "_STEPS", {})
     monkeypatch.setattr(D, "_sm_count", lambda device: sms)
     q, k, v = _sequence(2, 70, 4, 2, 16, 16, torch.float32, seed=16)
     lens = torch.tensor([70, 33], dtype=torch.int32, device=DEVICE)
-    o, lse = D.attention_with_kvcache(q[:, -1:], k, v, None, None, lens, None, 0.25, True, 2)
+    o, lse = D.attention_with_kvcache(q[:, -sq:], k, v, None, None, lens, None, 0.25, True, 2)
     (key,) = D._STEPS
     assert key[1] is causal_build
-    exact = R.kvcache_attention(q[:, -1:], k, v, cache_seqlens=lens, softmax_scale=0.25)
+    exact = R.kvcache_attention(q[:, -sq:], k, v, cache_seqlens=lens, softmax_scale=0.25)
     R.assert_within_rule("o", o, exact[0], dtype_name="float32")
     R.assert_within_rule("lse", lse, exact[1], dtype_name="float32")
 
@@ -413,9 +420,10 @@ def test_decode_tiles_count_row_blocks_and_given_splits():
 
 
 def test_decode_tiles():
-    """Grids of at most one program per SM (after the automatic split) take 3 stages, and the long-chunk tile (128-key
-    blocks, no balance splits) where every chunk still holds DECODE_MIN_BLOCKS_PER_SPLIT of them; fuller grids take
-    it from DECODE_LONG_MIN_KEYS keys per chunk, and 64-key, 4-warp, 2-stage tiles below."""
+    """Grids of at most one program per SM (after the automatic split) take 3 stages, the short-cache tile where
+    their chunks would be short and the query rows few, and the long-chunk tile (128-key blocks, no balance splits)
+    where every chunk still holds DECODE_MIN_BLOCKS_PER_SPLIT of them; fuller grids take it from DECODE_LONG_MIN_KEYS
+    keys per chunk, and 64-key, 4-warp, 2-stage tiles below."""
     pick = lambda bh, length: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=bh, max_seqlen_k=length,
                                               num_sms=132, rows=32)
     for bh, length in ((8, 0), (128, 0), (128, 511), (128, 256), (8, 300)):  # lengths unknown, or too few splits
@@ -529,18 +537,22 @@ def test_benchmark_shapes_bf16(b, length):
 @gpu
 @pytest.mark.parametrize("b,hq,hkv,lengths", [(1, 32, 8, [1024]), (1, 32, 8, [4096]), (2, 16, 4, [2048, 700]),
                                               (1, 32, 32, [1000]), (1, 8, 2, [16384]), (1, 16, 16, [2001])])
-def test_short_caches_bf16(b, hq, hkv, lengths):
-    """Short caches take the two-programs-per-SM tile with automatic splits (chunks of one to four blocks, merged at
-    once): the rows against float64, and the choice itself, so these shapes keep testing that tile."""
+def test_short_caches_bf16(b, hq, hkv, lengths, monkeypatch):
+    """Short caches take the two-programs-per-SM tile with automatic splits (chunks of 64-key blocks, at most
+    DECODE_SHORT_MAX_MERGED_KEYS keys, merged at once): the rows against float64, the choice, and the launch's own
+    merge (recorded from the launcher, so a grid counted against one program per SM would show as the loop)."""
+    real, taken = D._merge_at_once, []
+    monkeypatch.setattr(D, "_STEPS", {})
+    monkeypatch.setattr(D, "_merge_at_once", lambda *args: taken.append(real(*args)) or taken[-1])
     length = max(lengths)
     q = torch.randn(b, 1, hq, 128, device="cuda", dtype=torch.bfloat16)
     k_cache = torch.randn(b, length, hkv, 128, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     tile, plan, splits = D._choose(D._Step(), q, k_cache, v_cache, None, False, length, 0, None)
-    slots = D._sm_count(q.device) * tile.per_sm
-    assert tile.per_sm == 2 and splits > 1 and D._merge_at_once(plan, splits, slots)["MERGE_SPLITS"]
+    assert tile.per_sm == 2 and splits > 1
     o, lse = onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, return_lse=True)
+    assert taken and all(chosen["MERGE_SPLITS"] for chosen in taken)
     _check_decode_rows(q, k_cache, v_cache, o, lse, lengths, torch.bfloat16)
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ._launch import next_power_of_2
+
 
 @dataclass(frozen=True)
 class FwdConfig:
@@ -680,10 +682,11 @@ _DECODE_HALF_FILL = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4,
 #     the long tile's own (unbalanced) split count fills the SMs at most once, 512 keys a chunk suffice, as in the
 #     fill grids (B = 16 at 8k, B = 4 at 32k, B = 2 at 64k: between measured points, unmeasured themselves).
 _DECODE_LONG = {128: DecodeConfig(128, 64, 4, 3, balance=False)}
+DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the long tile's grid has more programs than SMs (4k < it <= 32k)
 # - Short caches: two programs per SM over chunks of 64-key blocks, 2 stages, no balance splits, where one program per
 #   SM (the fill split count) would leave chunks of at most DECODE_SHORT_MAX_KEYS keys and at least
 #   DECODE_SHORT_MIN_SPLITS splits (d = 128 only). Its merge loads every partial at once, so it takes no more splits
-#   than that holds (merge_at_once_splits), and only where its chunks then stay within DECODE_SHORT_MAX_MERGED_KEYS
+#   than that holds (decode_splits), and only where its chunks then stay within DECODE_SHORT_MAX_MERGED_KEYS
 #   (wide GQA groups hold few splits: Hq 32 / Hkv 1 would be cut to 4 splits). NOTES v36 (.devrun/dec44*.py,
 #   graph-timed, two rounds, SDPA's default in the same process; Hq / Hkv, B, L: old choice -> this, µs): 32 / 8, B =
 #   1, L = 1k 9.5-9.7 -> 6.7 (16 splits of one block, SDPA 6.2-6.6), 2k 9.8-9.9 -> 7.8-7.9 (32 of one; 7.2), 4k
@@ -699,23 +702,6 @@ DECODE_SHORT_MAX_KEYS = 256
 DECODE_SHORT_MIN_SPLITS = 4
 DECODE_SHORT_MAX_ROWS = 32
 DECODE_SHORT_MAX_MERGED_KEYS = 512
-# The merging split's one load of every partial (decode.py): split count and packed rows padded to powers of two,
-# times the padded value dim, at most this many float32: 128 registers a thread at 4 warps. NOTES v36 raised it from
-# 8192 (v19): B = 1, Hq 64 / Hkv 8, L = 4k, 16 splits of 8 rows 12.1 -> 11.4-11.6 us (causal calls there lost 11.0 ->
-# 11.5), and the short tile's 32 splits of 4 rows. Measured at d = 128 only; other widths follow the same count.
-MERGE_AT_ONCE_MAX_ELEMENTS = 16384
-
-
-def merge_at_once_splits(rows: int, head_dim_v: int) -> int:
-    """The most splits whose partials (``rows`` packed rows of ``head_dim_v``) the at-once merge holds: a power of
-    two, or 0 where not even one fits."""
-    fit = MERGE_AT_ONCE_MAX_ELEMENTS // (_pow2(rows) * _padded(head_dim_v))
-    return 1 << (fit.bit_length() - 1) if fit else 0
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the long tile's grid has more programs than SMs (4k < it <= 32k)
 # - Paged caches (session 18, sweep_decode.py --paged 256 at fbc1758, graph-timed, d = 128 bf16, Hq 32, Hkv 8): the
 #   page id feeds each block's K/V addresses, so the pipeliner keeps fewer K/V loads in flight than for a contiguous
 #   cache, and the contiguous tiles left paged B = 1 at 2.3-2.6 TB/s. Five stages restore the depth. The gathered
@@ -751,9 +737,7 @@ def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_typ
     if (short is not None and fill and not paged and not num_splits and max_seqlen_k > 0
             and 0 < rows <= DECODE_SHORT_MAX_ROWS and splits >= DECODE_SHORT_MIN_SPLITS
             and -(-max_seqlen_k // splits) <= DECODE_SHORT_MAX_KEYS):
-        short_splits = min(merge_at_once_splits(-(-rows // batch_heads), head_dim_v),
-                           decode_num_splits(batch_heads, max_seqlen_k, num_sms, short.block_n, short.balance,
-                                             short.per_sm, short.min_blocks))
+        short_splits = decode_splits(short, batch_heads, max_seqlen_k, num_sms, -(-rows // batch_heads), head_dim_v)
         if short_splits > 1 and -(-max_seqlen_k // short_splits) <= DECODE_SHORT_MAX_MERGED_KEYS:
             return short
     long = _DECODE_LONG.get(padded)
@@ -801,3 +785,28 @@ def decode_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: i
     balance = min(DECODE_BALANCE_MAX_SPLITS, blocks // DECODE_BALANCE_BLOCKS) if balance else 1
     most = min(DECODE_MAX_SPLITS, blocks // min_blocks)
     return max(1, min(most, max(fill, balance)))
+
+
+def decode_splits(tile: DecodeConfig, programs: int, max_seqlen_k: int, num_sms: int, rows: int,
+                  head_dim_v: int) -> int:
+    """``tile``'s automatic split count: ``decode_num_splits`` by its fields, and for a tile of more than one program
+    per SM, which merges at once, no more than that merge holds for ``rows`` packed rows a program (where it holds
+    more than one)."""
+    splits = decode_num_splits(programs, max_seqlen_k, num_sms, tile.block_n, tile.balance, tile.per_sm,
+                               tile.min_blocks)
+    held = merge_at_once_splits(rows, head_dim_v) if tile.per_sm > 1 else 0
+    return min(splits, held) if held > 1 else splits
+
+
+# The merging split's one load of every partial (decode.py): split count and packed rows padded to powers of two,
+# times the padded value dim, at most this many float32: 128 registers a thread at 4 warps. NOTES v36 raised it from
+# 8192 (v19): B = 1, Hq 64 / Hkv 8, L = 4k, 16 splits of 8 rows 12.1 -> 11.4-11.6 us (causal calls there lost 11.0 ->
+# 11.5), and the short tile's 32 splits of 4 rows. Measured at d = 128 only; other widths follow the same count.
+MERGE_AT_ONCE_MAX_ELEMENTS = 16384
+
+
+def merge_at_once_splits(rows: int, head_dim_v: int) -> int:
+    """The most splits whose partials (``rows`` packed rows of ``head_dim_v``) the at-once merge holds: a power of
+    two, or 0 where not even one fits."""
+    fit = MERGE_AT_ONCE_MAX_ELEMENTS // (next_power_of_2(rows) * _padded(head_dim_v))
+    return 1 << (fit.bit_length() - 1) if fit else 0

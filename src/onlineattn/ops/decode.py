@@ -37,7 +37,7 @@ import triton.language as tl
 from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
                       packed_rows, page_and_slot, row_tile)
-from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_num_splits, merge_at_once_splits
+from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_splits, merge_at_once_splits
 from ._launch import bounded_put, cdiv, next_power_of_2, prepare
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
 
@@ -307,7 +307,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
 
     ``q [B, Sq, Hq, D]``; caches ``[B, L_max, Hkv, D]`` or ``[num_pages, page_size, Hkv, D]`` with ``block_table
     [B, max_pages]`` int32; ``cache_seqlens`` int32 ``[B]``, on the device (validated by the caller, values included).
-    ``num_splits = 0`` chooses with ``decode_num_splits`` from the grid, ``max_seqlen_k`` (if known, else the cache's
+    ``num_splits = 0`` chooses with ``decode_splits`` from the grid, ``max_seqlen_k`` (if known, else the cache's
     capacity) and the SM count. ``out``/``lse_out`` (contiguous) let tests pass pre-poisoned buffers; ``config``
     overrides the table. ``meta_key`` (the API's ``CacheDims.meta_key``: the shapes, strides, dtypes and devices of
     every argument) stands for the metadata part of this call's memo key, which is then not rebuilt.
@@ -332,8 +332,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     # One query token sees every key under the bottom-right diagonal, so causal masks nothing. Over more (sequence,
     # kv head) pairs than SMs the plain build streamed faster (NOTES v36, graph-timed, Hq 32 / Hkv 8: B = 64, L = 4k
     # 307 -> 244 us, where the causal build's 137 registers a thread against 128 leave 3 programs per SM, not 4: two
-    # waves; B = 32, L = 8k and B = 64, L = 32k tied); over fewer the causal build was 0-8 % faster (B = 2, L = 2k 9.5
-    # against 10.1 us; cause not found), so there it stays.
+    # waves; B = 32, L = 8k and B = 64, L = 32k tied); over fewer the causal build was 0-9 % faster (B = 2, L = 2k 9.4
+    # against 10.3 us; cause not found), so there it stays.
     if causal and sq == 1 and b * hkv > _sm_count(device):
         causal = False
     o_shape, lse_shape = (b, sq, hq, dv), (b, hq, sq)
@@ -425,9 +425,7 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
     plan = step.plans.get(config)
     if plan is None:
         plan = step.plans[config] = _make_plan(q, k_cache, v_cache, block_table, config, causal)
-    splits = num_splits or decode_num_splits(plan.grid_bh * plan.row_blocks, longest, sms, config.block_n,
-                                             config.balance, config.per_sm, config.min_blocks)
-    if not num_splits and config.per_sm > 1:  # a tile that merges at once: no more splits than that holds
-        splits = max(1, min(splits, merge_at_once_splits(plan.rows, plan.constexprs["BLOCK_DV"])))
+    splits = num_splits or decode_splits(config, plan.grid_bh * plan.row_blocks, longest, sms, plan.rows,
+                                         plan.constexprs["BLOCK_DV"])
     splits = max(1, min(splits, cdiv(longest, config.block_n)))  # more would only add empty chunks
     return config, plan, splits
