@@ -435,12 +435,14 @@ def torch_math_attention(q, k, v, *, causal=False, softmax_scale=None, window_si
     """
     import torch
 
-    group = q.shape[2] // k.shape[2]
-    sq, sk = q.shape[1], k.shape[1]
-    qh = q.transpose(1, 2)
-    kh = k.transpose(1, 2).repeat_interleave(group, dim=1)
-    vh = v.transpose(1, 2).repeat_interleave(group, dim=1)
-    s = torch.matmul(qh, kh.transpose(-1, -2)) * _scale(softmax_scale, q.shape[-1])
+    b, sq, hq, _ = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    # Query head h reads kv head h // group. The products run per kv head over its group's rows ([B, Hkv, group · Sq,
+    # D]), so K and V are never repeated per query head (a 128k-key GQA check would hold several GiB more per call).
+    qg = q.transpose(1, 2).reshape(b, hkv, hq // hkv * sq, q.shape[-1])
+    vh = v.transpose(1, 2)
+    scale = _scale(softmax_scale, q.shape[-1])
+    s = torch.matmul(qg, k.transpose(1, 2).transpose(-1, -2)).reshape(b, hq, sq, sk) * scale
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
@@ -463,7 +465,8 @@ def torch_math_attention(q, k, v, *, causal=False, softmax_scale=None, window_si
         p = p[..., :-1]
     if dropout_p > 0:
         p = p * torch.as_tensor(dropout_mask, device=q.device).to(q.dtype) / (1.0 - dropout_p)
-    return torch.matmul(p, vh).transpose(1, 2), lse
+    o = torch.matmul(p.reshape(b, hkv, hq // hkv * sq, sk), vh).reshape(b, hq, sq, vh.shape[-1])
+    return o.transpose(1, 2), lse
 
 
 def torch_math_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, alibi_slopes=None, dropout_mask=None, **kw):
