@@ -442,7 +442,7 @@ def torch_math_attention(q, k, v, *, causal=False, softmax_scale=None, window_si
     qg = q.transpose(1, 2).reshape(b, hkv, hq // hkv * sq, q.shape[-1])
     vh = v.transpose(1, 2)
     scale = _scale(softmax_scale, q.shape[-1])
-    s = torch.matmul(qg, k.transpose(1, 2).transpose(-1, -2)).reshape(b, hq, sq, sk) * scale
+    s = torch.matmul(qg, k.permute(0, 2, 3, 1)).reshape(b, hq, sq, sk) * scale  # K as [B, Hkv, D, Sk]
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
     if alibi_slopes is not None:
