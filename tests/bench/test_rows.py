@@ -44,6 +44,11 @@ def test_cold_timing_times_the_device_work():
             torch.cuda._sleep(20_000)
         return call
 
-    fast = rows.time_cold(lambda: torch.cuda._sleep(20_000), reps=50)
-    assert rows.time_cold(slow_host(80e-6), reps=50) < fast + 0.01
-    assert rows.time_cold(slow_host(400e-6), reps=50, hold_cycles=4_000_000) < fast + 0.01
+    # Other processes on the GPU (the suite runs under xdist) time-slice with this one and only ever add time between
+    # the events, so each reading is the least of three medians.
+    def cold(fn, **kw):
+        return min(rows.time_cold(fn, reps=50, **kw) for _ in range(3))
+
+    fast = cold(lambda: torch.cuda._sleep(20_000))
+    assert cold(slow_host(80e-6)) < fast + 0.01
+    assert cold(slow_host(400e-6), hold_cycles=4_000_000) < fast + 0.01

@@ -160,14 +160,14 @@ def test_without_new_tokens_the_cache_is_only_read():
            *R.torch_math_attention(q[:, -2:], k, v, causal=True), torch.float16)
 
 
-@pytest.mark.parametrize("at_once", [True, False], ids=["at-once", "loop"])
+@pytest.mark.parametrize("merge", ["at-once", "tree", "loop"])
 @pytest.mark.parametrize("sq,hq,hkv", [(2, 4, 2), (1, 2, 2), (3, 6, 2)], ids=["4-rows", "1-row", "9-of-16-rows"])
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
-def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, at_once, monkeypatch):
+def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, merge, monkeypatch):
     """Outputs and the split scratch start as NaN; more splits than key blocks leave empty chunks, which must still
-    write (o = 0, lse = -inf) for the merge, whether the merging split loads every partial at once (packed rows
-    padded to a power of two: 1, 4, or 9 of 16) or loops over them. Fresh scratch for this test, so the poison is
-    not another test's."""
+    write (o = 0, lse = -inf) for the merge, whether it loads every partial at once (packed rows padded to a power
+    of two: 1, 4, or 9 of 16), runs as a tree of two partials a node (5 splits: three levels; 64, cut to the key
+    blocks: four) or loops over them. Fresh scratch for this test, so the poison is not another test's."""
     real, real_at_once, taken = D._workspace, D._merge_at_once, []
 
     def poisoned(*args):
@@ -177,13 +177,15 @@ def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, at_onc
     monkeypatch.setattr(D, "_WORKSPACES", {})
     monkeypatch.setattr(D, "_STEPS", {})  # no launch kept from another case: each case chooses its merge afresh
     monkeypatch.setattr(D, "_workspace", poisoned)
-    monkeypatch.setattr(C, "MERGE_AT_ONCE_MAX_ELEMENTS", C.MERGE_AT_ONCE_MAX_ELEMENTS if at_once else 0)
+    b, d = 2, 16
+    elements = {"at-once": C.MERGE_AT_ONCE_MAX_ELEMENTS, "tree": 2 * D.next_power_of_2(sq * hq // hkv) * d, "loop": 0}
+    monkeypatch.setattr(C, "MERGE_AT_ONCE_MAX_ELEMENTS", elements[merge])
+    monkeypatch.setattr(C, "MERGE_TREE_MAX_ROWS", 16)  # the tree's kernel at 9 of 16 rows too
     monkeypatch.setattr(D, "_sm_count", lambda device: 1 << 20)  # every grid here counts as one program per SM
     monkeypatch.setattr(D, "_merge_at_once", lambda *args: taken.append(real_at_once(*args)) or taken[-1])
-    b, d = 2, 16
-    q, k, v = _sequence(b, 70, hq, hkv, d, d, torch.float32, seed=num_splits)
+    q, k, v = _sequence(b, 300, hq, hkv, d, d, torch.float32, seed=num_splits)
     k_cache, v_cache = k.clone(), v.clone()
-    lens = torch.tensor([68, 20], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([298, 20], dtype=torch.int32, device=DEVICE)
     out = torch.full((b, sq, hq, d), float("nan"), device=DEVICE)
     lse_out = torch.full((b, hq, sq), float("nan"), device=DEVICE)
     o, lse = D.attention_with_kvcache(q[:, :sq], k_cache, v_cache, None, None, lens, None, d**-0.5, True, num_splits,
@@ -193,12 +195,14 @@ def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, at_onc
     R.assert_within_rule("lse", lse, exact[1], dtype_name="float32")
     if num_splits > 1:
         assert all(int(counts.abs().sum()) == 0 for _, counts in D._WORKSPACES.values()), "a counter was not reset"
-        assert taken and all(bool(n["MERGE_SPLITS"]) == at_once for n in taken)  # the padded split count, or 0
+        launched = min(num_splits, -(-300 // C.decode_config(d, d, torch.float32, DEVICE).block_n))
+        node = {"at-once": D.next_power_of_2(launched), "tree": 2, "loop": 0}[merge]
+        assert taken and all(n["MERGE_SPLITS"] == node for n in taken)
 
 
 def test_merge_at_once_only_where_the_grid_fits_the_sms():
-    """The merge loads every partial at once only where every program has an SM to itself and the partials fit
-    (NOTES v19); elsewhere MERGE_SPLITS is 0, the loop."""
+    """The merge runs as a tree of at-once loads (one node where every partial fits) only where every program has an
+    SM to itself (NOTES v19) and a node holds two partials or more; elsewhere MERGE_SPLITS is 0, the loop."""
     def plan(grid_bh, row_blocks=1, rows=4, width=128):
         return D._Plan(grid_bh, row_blocks, rows, 0, (), {"BLOCK_DV": width})
 
@@ -212,11 +216,25 @@ def test_merge_at_once_only_where_the_grid_fits_the_sms():
     assert merge(plan(8, rows=3), 12, 132) == (16, 4)  # both padded to powers of two
     assert merge(plan(16 * 8), 8, 132) == (0, 0)  # B = 16: 1024 programs, more than one per SM
     assert merge(plan(8), 32, 1024) == (32, 4)  # 32 x 4 x 128 float32: MERGE_AT_ONCE_MAX_ELEMENTS
-    assert merge(plan(8), 64, 1024) == (0, 0)  # 64 x 4 x 128: past it
-    assert merge(plan(8, rows=8), 32, 1024) == (0, 0)
+    assert merge(plan(8), 64, 1024) == (32, 4)  # 64 x 4 x 128: past it, a tree of two nodes under a root
+    assert merge(plan(8, rows=8), 32, 1024) == (16, 8)
+    assert merge(plan(1, rows=8), 128, 132) == (16, 8)  # a tree of 8-row nodes of 16 partials
+    assert merge(plan(1, rows=32), 128, 132) == (0, 0)  # past MERGE_TREE_MAX_ROWS rows: the loop
+    assert merge(plan(1, rows=32), 4, 132) == (4, 32)  # ... unless every partial fits one load
+    assert merge(plan(8, rows=128), 4, 132) == (0, 0)  # one partial a node: no tree
     assert merge(plan(8), 32, 264) == (32, 4)  # the short-cache tile: two programs per SM (slots = 2 x SMs)
     assert merge(plan(8, row_blocks=2, rows=80), 4, 132) == (0, 0)  # rows in two blocks
     assert merge(plan(8), 1, 132) == (0, 0)  # one split: nothing to merge
+
+
+def test_merge_tree_scratch():
+    """The scratch holds every level of the merge tree: 9 splits at two a node leave 5, 3 and 2 partials above them
+    (a program's counters, one a group: 5 + 3 + 2 + the root's 1, within the 2 · 9 it is given); the loop keeps one
+    level and one counter a program (row block)."""
+    plan = D._Plan(3, 1, 4, 0, (), {"BLOCK_DV": 128, "HEAD_DIM_V": 100})
+    assert D._scratch(plan, 9, 2) == (3 * (9 + 5 + 3 + 2) * 4 * 101, 3 * 2 * 9)
+    assert D._scratch(plan, 9, 16) == (3 * 9 * 4 * 101, 3 * 2 * 9)  # one node: no upper level
+    assert D._scratch(D._Plan(3, 2, 80, 0, (), {"BLOCK_DV": 128, "HEAD_DIM_V": 100}), 9, 0) == (3 * 9 * 80 * 101, 6)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -342,6 +360,11 @@ def test_split_heuristic():
     short = C.DecodeConfig(64, 64, 4, 2, balance=False, per_sm=2, min_blocks=1)
     assert C.decode_splits(short, 8, 4096, sms, 4, 128) == 32  # 33 by the fill; 32 x 4 rows x 128 merge at once
     assert C.decode_splits(short, 8, 4096, sms, 128, 128) == 33  # 128 rows a program: one split at once, so no cap
+    # ... unless the capped chunks would pass DECODE_SHORT_MAX_KEYS and the merge may run as a tree: whole nodes
+    assert C.decode_splits(short, 4, 8192, sms, 7, 128) == 64  # 66 by the fill, nodes of 16 (8 rows)
+    assert C.decode_splits(short, 1, 8192, sms, 8, 128) == 128
+    assert C.decode_splits(short, 4, 2048, sms, 8, 128) == 16  # capped chunks of 128 keys: one node
+    assert C.decode_splits(short, 1, 8192, sms, 32, 128) == 4  # 32 rows: no tree, the cap
     assert C.decode_splits(C.DecodeConfig(64, 64, 4, 3), 8, 4096, sms, 4, 128) == 16  # one program per SM: no cap
 
 
@@ -357,7 +380,8 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
             (64, 32, 8, 131072, LONG, 1), (8, 32, 8, 32768, LONG, 2),
             (64, 32, 8, 4096, C.DecodeConfig(64, 64, 4, 2), 1),
             (1, 32, 8, 8192, LONG, 16), (1, 32, 8, 4096, SHORT, 32), (1, 32, 8, 1024, SHORT, 16),
-            (1, 32, 32, 1024, SHORT, 8), (1, 8, 2, 16384, SHORT, 32), (1, 28, 4, 8192, SHORT, 16),  # capped
+            (1, 32, 32, 1024, SHORT, 8), (1, 32, 4, 2048, SHORT, 16),  # capped: chunks of 128 keys
+            (1, 8, 2, 16384, SHORT, 128), (1, 28, 4, 8192, SHORT, 64),  # whole nodes of a merge tree (32, 16)
             # wide groups: the at-once merge would hold 4 or 8 splits, chunks past DECODE_SHORT_MAX_MERGED_KEYS
             (1, 32, 1, 8192, C.DecodeConfig(64, 64, 4, 3), 32), (1, 32, 2, 8192, C.DecodeConfig(64, 64, 4, 3), 32),
             (2, 32, 8, 2048, C.DecodeConfig(64, 64, 4, 3), 8), (1, 64, 8, 4096, C.DecodeConfig(64, 64, 4, 3), 16)):
@@ -549,7 +573,7 @@ def test_short_caches_bf16(b, hq, hkv, lengths, monkeypatch):
     k_cache = torch.randn(b, length, hkv, 128, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    tile, plan, splits = D._choose(D._Step(), q, k_cache, v_cache, None, False, length, 0, None)
+    tile, plan, splits, _, _ = D._choose(D._Step(), q, k_cache, v_cache, None, False, length, 0, None)
     assert tile.per_sm == 2 and splits > 1
     o, lse = onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, return_lse=True)
     assert taken and all(chosen["MERGE_SPLITS"] for chosen in taken)

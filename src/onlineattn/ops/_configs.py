@@ -686,8 +686,9 @@ DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the long tile's grid has more p
 # - Short caches: two programs per SM over chunks of 64-key blocks, 2 stages, no balance splits, where one program per
 #   SM (the fill split count) would leave chunks of at most DECODE_SHORT_MAX_KEYS keys and at least
 #   DECODE_SHORT_MIN_SPLITS splits (d = 128 only). Its merge loads every partial at once, so it takes no more splits
-#   than that holds (decode_splits), and only where its chunks then stay within DECODE_SHORT_MAX_MERGED_KEYS
-#   (wide GQA groups hold few splits: Hq 32 / Hkv 1 would be cut to 4 splits). NOTES v36 (.devrun/dec44*.py,
+#   than that holds (decode_splits) unless those chunks would be long and a merge tree may run (whole nodes then),
+#   and only where its chunks stay within DECODE_SHORT_MAX_MERGED_KEYS (wide GQA groups hold few splits and no tree:
+#   Hq 32 / Hkv 1 would be cut to 4 splits). NOTES v36 (.devrun/dec44*.py,
 #   graph-timed, two rounds, SDPA's default in the same process; Hq / Hkv, B, L: old choice -> this, µs): 32 / 8, B =
 #   1, L = 1k 9.5-9.7 -> 6.7 (16 splits of one block, SDPA 6.2-6.6), 2k 9.8-9.9 -> 7.8-7.9 (32 of one; 7.2), 4k
 #   9.9-10.1 -> 9.3-9.5 (32 of two; 8.9-9.3); 32 / 32, B = 1, L = 1k 8.8-8.9 -> 8.4 (8); 8 / 2, B = 1, L = 4k
@@ -791,11 +792,17 @@ def decode_splits(tile: DecodeConfig, programs: int, max_seqlen_k: int, num_sms:
                   head_dim_v: int) -> int:
     """``tile``'s automatic split count: ``decode_num_splits`` by its fields, and for a tile of more than one program
     per SM, which merges at once, no more than that merge holds for ``rows`` packed rows a program (where it holds
-    more than one)."""
+    more than one), unless its chunks would then pass DECODE_SHORT_MAX_KEYS and the merge may run as a tree
+    (``merge_tree_node``): then whole nodes of the tree (NOTES v37: where the capped chunks stay short an extra level
+    lost, Hq 32 / Hkv 4, B = 1, L = 2k: 16 splits 9.2 us, 32 in a tree 12.3)."""
     splits = decode_num_splits(programs, max_seqlen_k, num_sms, tile.block_n, tile.balance, tile.per_sm,
                                tile.min_blocks)
     held = merge_at_once_splits(rows, head_dim_v) if tile.per_sm > 1 else 0
-    return min(splits, held) if held > 1 else splits
+    if not 1 < held < splits:
+        return splits
+    if merge_tree_node(rows, head_dim_v) and -(-max_seqlen_k // held) > DECODE_SHORT_MAX_KEYS:
+        return splits - splits % held  # a tree of whole nodes
+    return held
 
 
 # The merging split's one load of every partial (decode.py): split count and packed rows padded to powers of two,
@@ -810,3 +817,18 @@ def merge_at_once_splits(rows: int, head_dim_v: int) -> int:
     two, or 0 where not even one fits."""
     fit = MERGE_AT_ONCE_MAX_ELEMENTS // (next_power_of_2(rows) * _padded(head_dim_v))
     return 1 << (fit.bit_length() - 1) if fit else 0
+
+
+# Past one load, the merge runs as a tree of at-once loads (decode.py's _merge_tree) where a program holds at most
+# this many packed rows (padded). NOTES v37 (.devrun/dec45b.py, graph-timed, d = 128, one query token; Hq / Hkv, B =
+# 1, L: the library's choice -> the best tree, SDPA's default): 28 / 4, 8k 15.4 -> 10.9-11.1 (10.3); 8 / 1, 8k 14.9
+# -> 12.5 (8.2); 8 / 2, 16k 14.4 -> 12.6-13.2 (9.9). With 16 or 32 rows a tree node took ~10 us, not one L2 round
+# trip (32 / 1, 8k: 20.8 with the loop -> 36-45; 32 / 2, 8k: 15.2 -> 20-21; cause not found), so those keep the loop.
+MERGE_TREE_MAX_ROWS = 8
+
+
+def merge_tree_node(rows: int, head_dim_v: int) -> int:
+    """Partials a node of the merge tree holds for ``rows`` packed rows of ``head_dim_v`` (``merge_at_once_splits``),
+    or 0 where no tree runs: more than MERGE_TREE_MAX_ROWS rows, or fewer than two partials a node."""
+    held = merge_at_once_splits(rows, head_dim_v)
+    return held if next_power_of_2(rows) <= MERGE_TREE_MAX_ROWS and held > 1 else 0

@@ -12,7 +12,8 @@ the memory system busy:
   sequence is cut into ``num_splits`` chunks processed in parallel. Each writes a float32 partial state into a
   scratch buffer and counts itself in with an atomic; the last split of a program to arrive merges all of them, in
   a fixed order (deterministic whichever arrives last; a loop over the splits, or where the grid is at most one
-  program per SM, two for the short-cache tile, one load of every partial), writes o and lse, and resets its counter
+  program per SM, two for the short-cache tile, one load of every partial, or past what one load holds a tree of
+  such loads, each node merged by the last of its members to arrive), writes o and lse, and resets its counter(s)
   for the next launch.
   One launch, no second merge kernel. A sequence's chunks follow its own length (read on the device), so sequences
   of different lengths split evenly. With one split the kernel writes o and lse directly.
@@ -37,7 +38,8 @@ import triton.language as tl
 from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
                       packed_rows, page_and_slot, row_tile)
-from ._configs import INTERPRETER_SMS, DecodeConfig, decode_config, decode_splits, merge_at_once_splits
+from ._configs import (INTERPRETER_SMS, DecodeConfig, decode_config, decode_splits, merge_at_once_splits,
+                       merge_tree_node)
 from ._launch import bounded_put, cdiv, next_power_of_2, prepare
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
 
@@ -105,6 +107,54 @@ def _merge_splits_at_once(P_O, P_LSE, first, rows, num_splits, o_dv, m_dv, SPLIT
     w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 for an empty part (lse = -inf)
     acc = tl.sum(tl.where(w[:, :, None] > 0.0, w[:, :, None] * o, 0.0), axis=0)
     return finalize_merge(m, tl.sum(w, axis=0), acc)
+
+
+@triton.jit
+def _merge_tree(WORK, COUNTS, O, LSE, off_b, off_hkv, pid_bh, grid_bh, split, num_splits, seqlen_q, rows, o_dv, m_dv,
+                GROUP: tl.constexpr, HEADS_Q: tl.constexpr, HEAD_DIM_V: tl.constexpr, SPLITS: tl.constexpr,
+                ROWS: tl.constexpr, STORE_LSE: tl.constexpr):
+    """Split ``split`` has stored its partial state: merge the program's ``num_splits`` partials as a tree of
+    ``SPLITS`` (≥ 2) partials a node, each node one load of all its members (``_merge_splits_at_once``). The last of
+    a group to arrive merges the group and stores the result as a partial of the next level (or, at the root, as o
+    and lse), then counts itself in there. So the merge after the last split is ⌈log_SPLITS(num_splits)⌉ loads and
+    atomics, where one program looping over the splits takes one L2 round trip per split and pipeline depth.
+
+    Level ``l`` holds ``n_l`` partials a program (``n_0 = num_splits``, ``n_{l+1} = ⌈n_l / SPLITS⌉``) as o
+    ``[grid_bh, n_l, rows, Dv]`` then lse ``[grid_bh, n_l, rows]``, level after level in WORK; the program's group
+    counters follow each other in ``COUNTS[pid_bh · 2 · num_splits:]`` (fewer than 2 · num_splits in all). Groups
+    and the order within a node are fixed, so the result does not depend on the arrival order (a single non-empty
+    split comes back bit for bit)."""
+    o_r = tl.arange(0, ROWS)
+    w_i, w_h, w_r = packed_rows(0, off_hkv, seqlen_q, ROWS, GROUP)
+    level = WORK
+    counts = COUNTS + pid_bh.to(tl.int64) * 2 * num_splits
+    node = split
+    n = num_splits
+    go = split >= 0
+    while go:
+        group = node // SPLITS
+        members = tl.minimum(n - group * SPLITS, SPLITS)
+        # The barrier puts every thread's stores of this level's partial before the counter's release; the acquire
+        # side orders the merge's loads after the other members' stores.
+        tl.debug_barrier()
+        go = tl.atomic_add(counts + group, 1, sem="acq_rel", scope="gpu") == members - 1
+        if go:
+            tl.store(counts + group, 0)  # ready for the next launch that uses this workspace
+            lse_level = level + grid_bh.to(tl.int64) * n * rows * HEAD_DIM_V
+            w_o, w_lse = _merge_splits_at_once(level, lse_level, pid_bh.to(tl.int64) * n + group * SPLITS, rows,
+                                               members, o_dv, m_dv, SPLITS, ROWS, HEAD_DIM_V)
+            if n <= SPLITS:  # the root
+                _store_state(O, LSE, w_o, w_lse, off_b, w_i, w_h, w_r, o_dv, m_dv, seqlen_q, HEADS_Q, HEAD_DIM_V,
+                             STORE_LSE)
+                go = False
+            else:
+                level += grid_bh.to(tl.int64) * n * rows * (HEAD_DIM_V + 1)
+                counts += tl.cdiv(n, SPLITS)
+                n = tl.cdiv(n, SPLITS)
+                node = group
+                part = (pid_bh.to(tl.int64) * n + node) * rows + o_r
+                tl.store(level + part[:, None] * HEAD_DIM_V + o_dv[None, :], w_o, mask=w_r[:, None] & m_dv[None, :])
+                tl.store(level + grid_bh.to(tl.int64) * n * rows * HEAD_DIM_V + part, w_lse, mask=w_r)
 
 
 @triton.jit
@@ -184,23 +234,20 @@ def decode_kernel(
         p_lse = lse_parts + first * rows + o_r
         tl.store(p_o + split * rows * HEAD_DIM_V, b_o, mask=m_r[:, None] & m_dv[None, :])
         tl.store(p_lse + split * rows, b_lse, mask=m_r)
-        # The last of the program's splits to finish merges them all. The barrier puts every thread's stores
-        # before the counter's release; the acquire side orders the merge's loads after the other splits' stores.
-        tl.debug_barrier()
-        p_count = COUNTS + pid_bh * tl.num_programs(1) + pid_m
-        if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            tl.store(p_count, 0)  # ready for the next launch that uses this workspace
-            # New names for the merged rows: the at-once merge's tile has MERGE_ROWS rows, not BLOCK_M.
-            if MERGE_SPLITS > 0:  # the program's rows are all the rows (one row block): one load of every partial
-                w_o, w_lse = _merge_splits_at_once(WORK, lse_parts, first, rows, num_splits, o_dv, m_dv,
-                                                   MERGE_SPLITS, MERGE_ROWS, HEAD_DIM_V)
-                w_i, w_h, w_r = packed_rows(0, off_hkv, seqlen_q, MERGE_ROWS, GROUP)
-            else:
+        if MERGE_SPLITS > 0:  # the program's rows are all the rows (one row block): a tree of at-once merges
+            _merge_tree(WORK, COUNTS, O, LSE, off_b, off_hkv, pid_bh, tl.num_programs(0), split, num_splits, seqlen_q,
+                        rows, o_dv, m_dv, GROUP, HEADS_KV * GROUP, HEAD_DIM_V, MERGE_SPLITS, MERGE_ROWS, STORE_LSE)
+        else:
+            # The last of the program's splits to finish merges them all. The barrier puts every thread's stores
+            # before the counter's release; the acquire side orders the merge's loads after the other splits'.
+            tl.debug_barrier()
+            p_count = COUNTS + pid_bh * tl.num_programs(1) + pid_m
+            if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+                tl.store(p_count, 0)  # ready for the next launch that uses this workspace
                 w_o, w_lse = _merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M,
                                            BLOCK_DV, MERGE_STAGES)
-                w_i, w_h, w_r = o_i, o_h, m_r
-            _store_state(O, LSE, w_o, w_lse, off_b, w_i, w_h, w_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP, HEAD_DIM_V,
-                         STORE_LSE)
+                _store_state(O, LSE, w_o, w_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP,
+                             HEAD_DIM_V, STORE_LSE)
     else:
         _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP, HEAD_DIM_V,
                      STORE_LSE)
@@ -228,7 +275,8 @@ MERGE_PIPELINE_MAX_ELEMENTS = 16 * 128
 # one go (_merge_splits_at_once) instead of looping over the splits. NOTES v19 (graph-timed, d = 128, Hq 32, Hkv 8):
 # B = 1, L = 4k 11.2 -> 10.0 us, L = 32k 40.1 -> 38.5 us; over fuller grids it tied or lost (B = 16, L = 32k: 2
 # splits 548 -> 561 us, 8 splits 490 -> 513 us), so those keep the loop (_merge_at_once). The short-cache tile
-# (_configs._DECODE_SHORT) fills two programs per SM and merges at once over them.
+# (_configs._DECODE_SHORT) fills two programs per SM and merges at once over them. Past one load the merge runs as a
+# tree of such loads (_merge_tree) where a program holds few rows (_configs.merge_tree_node, NOTES v37).
 
 
 @dataclass(frozen=True, eq=False)
@@ -363,10 +411,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     if choice is None:
         choice = bounded_put(step.lengths, longest, _choose(step, q, k_cache, v_cache, block_table, causal, longest,
                                                             num_splits, config), _MAX_LENGTHS)
-    cfg, plan, splits = choice
+    cfg, plan, splits, merge, scratch = choice
     if splits > 1:
-        tiles = plan.grid_bh * splits * sq * (hq // hkv)
-        work, counts = _workspace(device, tiles * (dv + 1), plan.grid_bh * plan.row_blocks)
+        work, counts = _workspace(device, *scratch)
     else:
         work, counts = o, cache_seqlens  # unused: stand-ins of the right kind
     tensors = (q, k_cache, v_cache, cache_seqlens, cache_seqlens if block_table is None else block_table,
@@ -377,25 +424,39 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         step.relaunches[cfg, splits] = prepare(
             decode_kernel, grid, len(tensors), *tensors, *plan.strides,
             sq, new, splits, scale * LOG2E,
-            SPLIT=splits > 1, STORE_LSE=lse is not None, **_merge_at_once(plan, splits, _sm_count(device) * cfg.per_sm),
-            **plan.constexprs,
+            SPLIT=splits > 1, STORE_LSE=lse is not None, **merge, **plan.constexprs,
         )
     return o, lse
 
 
 def _merge_at_once(plan: _Plan, splits: int, slots: int) -> dict:
-    """The kernel's MERGE_SPLITS and MERGE_ROWS: the split count and the packed rows, padded to powers of two, where
-    the merging split loads every partial at once, else both 0 (the pipelined loop; one build serves every row
-    count). At once only where the rows are in one row block, the partials fit (``merge_at_once_splits``), and the
-    grid has at most ``slots`` programs (SMs times the tile's programs per SM): there the last split's merge
-    is the launch's critical path. Over fuller grids the loop stays (NOTES v19: at B = 16, L = 32k with 8 splits the
-    merge at once read 511-518 us against the loop's 490)."""
-    padded = next_power_of_2(splits)
+    """The kernel's MERGE_SPLITS and MERGE_ROWS: partials a node of the merge tree and the packed rows padded to a
+    power of two, where the merge runs as a tree of at-once loads (``_merge_tree``): one node of the padded split
+    count where every partial fits one load (``merge_at_once_splits``), else nodes of ``merge_tree_node``; elsewhere
+    both 0 (the pipelined loop of one merging split; one build serves every row count). Only where the rows are in
+    one row block and the grid has at most ``slots`` programs (SMs times the tile's programs per SM): there the
+    merge after the last split is the launch's critical path. Over fuller grids the loop stays (NOTES v19: at B = 16, L =
+    32k with 8 splits the merge at once read 511-518 us against the loop's 490)."""
+    padded, width = next_power_of_2(splits), plan.constexprs["BLOCK_DV"]
+    node = padded if padded <= merge_at_once_splits(plan.rows, width) else merge_tree_node(plan.rows, width)
     fits = plan.grid_bh * plan.row_blocks * splits <= slots
-    if not (splits > 1 and plan.row_blocks == 1 and fits
-            and padded <= merge_at_once_splits(plan.rows, plan.constexprs["BLOCK_DV"])):
+    if not (splits > 1 and plan.row_blocks == 1 and fits and node):
         return {"MERGE_SPLITS": 0, "MERGE_ROWS": 0}
-    return {"MERGE_SPLITS": padded, "MERGE_ROWS": next_power_of_2(plan.rows)}
+    return {"MERGE_SPLITS": node, "MERGE_ROWS": next_power_of_2(plan.rows)}
+
+
+def _scratch(plan: _Plan, splits: int, node: int) -> tuple[int, int]:
+    """Split scratch a launch needs, ``(float32 values, int32 counters)``: every split's partial (o and lse of the
+    packed rows), and for a merge tree of ``node`` partials a node (``_merge_tree``) its upper levels' partials and
+    up to ``2 · splits`` counters a program; for the loop, one counter a program."""
+    partials = splits
+    if node:
+        n = splits
+        while n > node:
+            n = cdiv(n, node)
+            partials += n
+    counters = plan.grid_bh * (2 * splits if node else plan.row_blocks)
+    return plan.grid_bh * partials * plan.rows * (plan.constexprs["HEAD_DIM_V"] + 1), counters
 
 
 class _Step:
@@ -414,7 +475,7 @@ _MAX_LENGTHS = 4096  # per metadata; past this (a very long generation) the tabl
 
 
 def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest: int, num_splits: int, config):
-    """``(tile, plan, split count)`` for keys up to ``longest``."""
+    """``(tile, plan, split count, merge constexprs, scratch sizes)`` for keys up to ``longest``."""
     b, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     sms = _sm_count(q.device)
@@ -428,4 +489,5 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
     splits = num_splits or decode_splits(config, plan.grid_bh * plan.row_blocks, longest, sms, plan.rows,
                                          plan.constexprs["BLOCK_DV"])
     splits = max(1, min(splits, cdiv(longest, config.block_n)))  # more would only add empty chunks
-    return config, plan, splits
+    merge = _merge_at_once(plan, splits, sms * config.per_sm)
+    return config, plan, splits, merge, _scratch(plan, splits, merge["MERGE_SPLITS"])
