@@ -197,7 +197,8 @@ def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, merge,
         assert all(int(counts.abs().sum()) == 0 for _, counts in D._WORKSPACES.values()), "a counter was not reset"
         launched = min(num_splits, -(-300 // C.decode_config(d, d, torch.float32, DEVICE).block_n))
         node = {"at-once": D.next_power_of_2(launched), "tree": 2, "loop": 0}[merge]
-        assert taken and all(n["MERGE_SPLITS"] == node for n in taken)
+        tree = 0 < node < D.next_power_of_2(launched)  # 2 splits: one node, the one-load code
+        assert taken and all(n["MERGE_SPLITS"] == node and n["MERGE_TREE"] == tree for n in taken)
 
 
 def test_merge_at_once_only_where_the_grid_fits_the_sms():
@@ -209,6 +210,7 @@ def test_merge_at_once_only_where_the_grid_fits_the_sms():
     def merge(*args):
         chosen = D._merge_at_once(*args)
         assert bool(chosen["MERGE_SPLITS"]) == bool(chosen["MERGE_ROWS"])  # both set, or both 0 (one loop build)
+        assert chosen["MERGE_TREE"] == (0 < chosen["MERGE_SPLITS"] < D.next_power_of_2(args[1]))
         return chosen["MERGE_SPLITS"], chosen["MERGE_ROWS"]
 
     assert merge(plan(8), 16, 132) == (16, 4)  # B = 1, Hkv 8: 128 programs
@@ -233,7 +235,7 @@ def test_merge_tree_scratch():
     level and one counter a program (row block)."""
     plan = D._Plan(3, 1, 4, 0, (), {"BLOCK_DV": 128, "HEAD_DIM_V": 100})
     assert D._scratch(plan, 9, 2) == (3 * (9 + 5 + 3 + 2) * 4 * 101, 3 * 2 * 9)
-    assert D._scratch(plan, 9, 16) == (3 * 9 * 4 * 101, 3 * 2 * 9)  # one node: no upper level
+    assert D._scratch(plan, 9, 16) == (3 * 9 * 4 * 101, 3 * 2 * 9)  # a node past the splits: no upper level
     assert D._scratch(D._Plan(3, 2, 80, 0, (), {"BLOCK_DV": 128, "HEAD_DIM_V": 100}), 9, 0) == (3 * 9 * 80 * 101, 6)
 
 

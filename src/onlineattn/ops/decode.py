@@ -171,7 +171,7 @@ def decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-    MERGE_ROWS: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, MERGE_TREE: tl.constexpr,
 ):
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -234,7 +234,7 @@ def decode_kernel(
         p_lse = lse_parts + first * rows + o_r
         tl.store(p_o + split * rows * HEAD_DIM_V, b_o, mask=m_r[:, None] & m_dv[None, :])
         tl.store(p_lse + split * rows, b_lse, mask=m_r)
-        if MERGE_SPLITS > 0:  # the program's rows are all the rows (one row block): a tree of at-once merges
+        if MERGE_TREE:  # one row block, more partials than one load holds: a tree of at-once merges
             _merge_tree(WORK, COUNTS, O, LSE, off_b, off_hkv, pid_bh, tl.num_programs(0), split, num_splits, seqlen_q,
                         rows, o_dv, m_dv, GROUP, HEADS_KV * GROUP, HEAD_DIM_V, MERGE_SPLITS, MERGE_ROWS, STORE_LSE)
         else:
@@ -244,9 +244,16 @@ def decode_kernel(
             p_count = COUNTS + pid_bh * tl.num_programs(1) + pid_m
             if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 tl.store(p_count, 0)  # ready for the next launch that uses this workspace
-                w_o, w_lse = _merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M,
-                                           BLOCK_DV, MERGE_STAGES)
-                _store_state(O, LSE, w_o, w_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP,
+                # New names for the merged rows: the at-once merge's tile has MERGE_ROWS rows, not BLOCK_M.
+                if MERGE_SPLITS > 0:  # the program's rows are all the rows (one row block): one load of every partial
+                    w_o, w_lse = _merge_splits_at_once(WORK, lse_parts, first, rows, num_splits, o_dv, m_dv,
+                                                       MERGE_SPLITS, MERGE_ROWS, HEAD_DIM_V)
+                    w_i, w_h, w_r = packed_rows(0, off_hkv, seqlen_q, MERGE_ROWS, GROUP)
+                else:
+                    w_o, w_lse = _merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M,
+                                               BLOCK_DV, MERGE_STAGES)
+                    w_i, w_h, w_r = o_i, o_h, m_r
+                _store_state(O, LSE, w_o, w_lse, off_b, w_i, w_h, w_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP,
                              HEAD_DIM_V, STORE_LSE)
     else:
         _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP, HEAD_DIM_V,
@@ -430,25 +437,26 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
 
 
 def _merge_at_once(plan: _Plan, splits: int, slots: int) -> dict:
-    """The kernel's MERGE_SPLITS and MERGE_ROWS: partials a node of the merge tree and the packed rows padded to a
-    power of two, where the merge runs as a tree of at-once loads (``_merge_tree``): one node of the padded split
-    count where every partial fits one load (``merge_at_once_splits``), else nodes of ``merge_tree_node``; elsewhere
-    both 0 (the pipelined loop of one merging split; one build serves every row count). Only where the rows are in
-    one row block and the grid has at most ``slots`` programs (SMs times the tile's programs per SM): there the
-    merge after the last split is the launch's critical path. Over fuller grids the loop stays (NOTES v19: at B = 16, L =
-    32k with 8 splits the merge at once read 511-518 us against the loop's 490)."""
+    """The kernel's MERGE_SPLITS, MERGE_ROWS and MERGE_TREE: partials a load and the packed rows, padded to powers of
+    two, where the merging split loads every partial at once (``merge_at_once_splits``), or, past what one load
+    holds, where the merge runs as a tree of such loads (``_merge_tree``, nodes of ``merge_tree_node``; MERGE_TREE:
+    the tree's own code, which read 0.3-0.7 us slower than the one load where one node would do, NOTES v37);
+    elsewhere 0, 0 and False (the pipelined loop of one merging split; one build serves every row count). Only
+    where the rows are in one row block and the grid has at most ``slots`` programs (SMs times the tile's programs
+    per SM): there the merge after the last split is the launch's critical path. Over fuller grids the loop stays
+    (NOTES v19: at B = 16, L = 32k with 8 splits the merge at once read 511-518 us against the loop's 490)."""
     padded, width = next_power_of_2(splits), plan.constexprs["BLOCK_DV"]
     node = padded if padded <= merge_at_once_splits(plan.rows, width) else merge_tree_node(plan.rows, width)
     fits = plan.grid_bh * plan.row_blocks * splits <= slots
     if not (splits > 1 and plan.row_blocks == 1 and fits and node):
-        return {"MERGE_SPLITS": 0, "MERGE_ROWS": 0}
-    return {"MERGE_SPLITS": node, "MERGE_ROWS": next_power_of_2(plan.rows)}
+        return {"MERGE_SPLITS": 0, "MERGE_ROWS": 0, "MERGE_TREE": False}
+    return {"MERGE_SPLITS": node, "MERGE_ROWS": next_power_of_2(plan.rows), "MERGE_TREE": node < padded}
 
 
 def _scratch(plan: _Plan, splits: int, node: int) -> tuple[int, int]:
     """Split scratch a launch needs, ``(float32 values, int32 counters)``: every split's partial (o and lse of the
     packed rows), and for a merge tree of ``node`` partials a node (``_merge_tree``) its upper levels' partials and
-    up to ``2 · splits`` counters a program; for the loop, one counter a program."""
+    up to ``2 · splits`` counters a program; otherwise (``node`` 0) one counter a program (row block)."""
     partials = splits
     if node:
         n = splits
@@ -490,4 +498,4 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
                                          plan.constexprs["BLOCK_DV"])
     splits = max(1, min(splits, cdiv(longest, config.block_n)))  # more would only add empty chunks
     merge = _merge_at_once(plan, splits, sms * config.per_sm)
-    return config, plan, splits, merge, _scratch(plan, splits, merge["MERGE_SPLITS"])
+    return config, plan, splits, merge, _scratch(plan, splits, merge["MERGE_SPLITS"] if merge["MERGE_TREE"] else 0)
