@@ -237,6 +237,8 @@ def test_merge_tree_scratch():
     assert D._scratch(plan, 9, 2) == (3 * (9 + 5 + 3 + 2) * 4 * 101, 3 * 2 * 9)
     assert D._scratch(plan, 9, 16) == (3 * 9 * 4 * 101, 3 * 2 * 9)  # a node past the splits: no upper level
     assert D._scratch(D._Plan(3, 2, 80, 0, (), {"BLOCK_DV": 128, "HEAD_DIM_V": 100}), 9, 0) == (3 * 9 * 80 * 101, 6)
+    with pytest.raises(ValueError, match="one partial"):  # a node of one partial would never reach the root
+        D._scratch(plan, 4, 1)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

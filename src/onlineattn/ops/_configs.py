@@ -769,7 +769,7 @@ def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_typ
 #   long-chunk tile (_DECODE_LONG, balance=False) streams as well unsplit (v19) and skips this need.
 # Every chunk keeps at least DECODE_MIN_BLOCKS_PER_SPLIT blocks (B = 1, L = 4k: 8 splits of 4 128-key blocks took
 # 18.0 us in v1; 16 splits of 4 64-key blocks 11.6 us at 3d9bcdd; a tile's ``min_blocks``, one for the short-cache
-# tile, whose two programs per SM merge at once), and there are never more than DECODE_MAX_SPLITS.
+# tile, whose two programs per SM merge at once or as a tree), and there are never more than DECODE_MAX_SPLITS.
 DECODE_BALANCE_BLOCKS = 64
 DECODE_BALANCE_MAX_SPLITS = 16
 DECODE_MAX_SPLITS = 128

@@ -124,6 +124,7 @@ def _merge_tree(WORK, COUNTS, O, LSE, off_b, off_hkv, pid_bh, grid_bh, split, nu
     counters follow each other in ``COUNTS[pid_bh · 2 · num_splits:]`` (fewer than 2 · num_splits in all). Groups
     and the order within a node are fixed, so the result does not depend on the arrival order (a single non-empty
     split comes back bit for bit)."""
+    tl.static_assert(SPLITS >= 2, "a merge-tree node of one partial never reaches the root")
     o_r = tl.arange(0, ROWS)
     w_i, w_h, w_r = packed_rows(0, off_hkv, seqlen_q, ROWS, GROUP)
     level = WORK
@@ -225,7 +226,8 @@ def decode_kernel(
     b_o, b_lse = finalize_state(m_i, l_i, acc)
     if SPLIT:
         # Every split stores its partial state, even an empty chunk (o = 0, lse = -inf): the merge reads them all.
-        # WORK holds o partials [B·Hkv, S, R, Dv] then lse partials [B·Hkv, S, R], R = Sq·GROUP packed rows.
+        # WORK holds o partials [B·Hkv, S, R, Dv] then lse partials [B·Hkv, S, R], R = Sq·GROUP packed rows (a
+        # merge tree's upper levels follow, _merge_tree).
         rows = seqlen_q * GROUP
         o_r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         first = pid_bh.to(tl.int64) * num_splits
@@ -234,6 +236,8 @@ def decode_kernel(
         p_lse = lse_parts + first * rows + o_r
         tl.store(p_o + split * rows * HEAD_DIM_V, b_o, mask=m_r[:, None] & m_dv[None, :])
         tl.store(p_lse + split * rows, b_lse, mask=m_r)
+        # The tree's counters are per (sequence, kv head), not per row block: the launcher takes it only with one
+        # row block (_merge_at_once).
         if MERGE_TREE:  # one row block, more partials than one load holds: a tree of at-once merges
             _merge_tree(WORK, COUNTS, O, LSE, off_b, off_hkv, pid_bh, tl.num_programs(0), split, num_splits, seqlen_q,
                         rows, o_dv, m_dv, GROUP, HEADS_KV * GROUP, HEAD_DIM_V, MERGE_SPLITS, MERGE_ROWS, STORE_LSE)
@@ -332,7 +336,7 @@ def _stream_id(device: torch.device) -> int:
 
 def _workspace(device: torch.device, floats: int, counters: int):
     """Scratch for split partials (float32, at least ``floats``) and arrival counters (int32, at least ``counters``,
-    zero between launches: the merging program resets its counter).
+    zero between launches: each merging program resets the counter it read, at every level of a merge tree).
 
     One pair per (device, stream, power-of-two size class), never freed: launches on one stream run in order, so
     they can share it, and a CUDA graph that captured a launch keeps pointing at memory that stays allocated.
@@ -457,6 +461,8 @@ def _scratch(plan: _Plan, splits: int, node: int) -> tuple[int, int]:
     """Split scratch a launch needs, ``(float32 values, int32 counters)``: every split's partial (o and lse of the
     packed rows), and for a merge tree of ``node`` partials a node (``_merge_tree``) its upper levels' partials and
     up to ``2 · splits`` counters a program; otherwise (``node`` 0) one counter a program (row block)."""
+    if node == 1:
+        raise ValueError("a merge-tree node of one partial never reaches the root")
     partials = splits
     if node:
         n = splits
@@ -468,8 +474,9 @@ def _scratch(plan: _Plan, splits: int, node: int) -> tuple[int, int]:
 
 
 class _Step:
-    """What decode calls of one metadata have chosen: per longest length ``(tile, plan, split count)``, per tile its
-    plan, and per ``(tile, split count)`` a ``Relaunch`` that repeats the launch with the next step's tensors."""
+    """What decode calls of one metadata have chosen: per longest length ``_choose``'s ``(tile, plan, split count,
+    merge constexprs, scratch sizes)``, per tile its plan, and per ``(tile, split count)`` a ``Relaunch`` that repeats
+    the launch with the next step's tensors."""
 
     __slots__ = ("lengths", "plans", "relaunches")
 
