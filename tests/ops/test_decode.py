@@ -221,8 +221,9 @@ def test_merge_at_once_only_where_the_grid_fits_the_sms():
     assert merge(plan(8), 64, 1024) == (32, 4)  # 64 x 4 x 128: past it, a tree of two nodes under a root
     assert merge(plan(8, rows=8), 32, 1024) == (16, 8)
     assert merge(plan(1, rows=8), 128, 132) == (16, 8)  # a tree of 8-row nodes of 16 partials
-    assert merge(plan(1, rows=32), 128, 132) == (0, 0)  # past MERGE_TREE_MAX_ROWS rows: the loop
-    assert merge(plan(1, rows=32), 4, 132) == (4, 32)  # ... unless every partial fits one load
+    assert merge(plan(1, rows=32), 128, 132) == (4, 32)  # 32-row nodes of 4 partials
+    assert merge(plan(1, rows=64), 128, 132) == (0, 0)  # past MERGE_TREE_MAX_ROWS rows: the loop
+    assert merge(plan(1, rows=64), 2, 132) == (2, 64)  # ... unless every partial fits one load
     assert merge(plan(8, rows=128), 4, 132) == (0, 0)  # one partial a node: no tree
     assert merge(plan(8), 32, 264) == (32, 4)  # the short-cache tile: two programs per SM (slots = 2 x SMs)
     assert merge(plan(8, row_blocks=2, rows=80), 4, 132) == (0, 0)  # rows in two blocks
@@ -368,7 +369,8 @@ def test_split_heuristic():
     assert C.decode_splits(short, 4, 8192, sms, 7, 128) == 64  # 66 by the fill, nodes of 16 (8 rows)
     assert C.decode_splits(short, 1, 8192, sms, 8, 128) == 128
     assert C.decode_splits(short, 4, 2048, sms, 8, 128) == 16  # capped chunks of 128 keys: one node
-    assert C.decode_splits(short, 1, 8192, sms, 32, 128) == 4  # 32 rows: no tree, the cap
+    assert C.decode_splits(short, 1, 8192, sms, 32, 128) == 128  # 32 rows: nodes of 4
+    assert C.decode_splits(short, 1, 8192, sms, 64, 128) == 2  # 64 rows: no tree, the cap
     assert C.decode_splits(C.DecodeConfig(64, 64, 4, 3), 8, 4096, sms, 4, 128) == 16  # one program per SM: no cap
 
 
@@ -386,8 +388,7 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
             (1, 32, 8, 8192, LONG, 16), (1, 32, 8, 4096, SHORT, 32), (1, 32, 8, 1024, SHORT, 16),
             (1, 32, 32, 1024, SHORT, 8), (1, 32, 4, 2048, SHORT, 16),  # capped: chunks of 128 keys
             (1, 8, 2, 16384, SHORT, 128), (1, 28, 4, 8192, SHORT, 64),  # whole nodes of a merge tree (32, 16)
-            # wide groups: the at-once merge would hold 4 or 8 splits, chunks past DECODE_SHORT_MAX_MERGED_KEYS
-            (1, 32, 1, 8192, C.DecodeConfig(64, 64, 4, 3), 32), (1, 32, 2, 8192, C.DecodeConfig(64, 64, 4, 3), 32),
+            (1, 32, 1, 8192, SHORT, 128), (1, 32, 2, 8192, SHORT, 128),  # 32-row nodes of 4, 16-row nodes of 8
             (2, 32, 8, 2048, C.DecodeConfig(64, 64, 4, 3), 8), (1, 64, 8, 4096, C.DecodeConfig(64, 64, 4, 3), 16)):
         q = torch.zeros(b, 1, hq, 128, dtype=torch.bfloat16)
         cache = torch.zeros(1, 1, hkv, 128, dtype=torch.bfloat16).expand(b, length, hkv, 128)
@@ -460,7 +461,7 @@ def test_decode_tiles():
                                                      max_seqlen_k=length, num_sms=132, rows=rows)
     for bh, length, rows in ((8, 1024, 32), (8, 4096, 32), (16, 2048, 32), (32, 1024, 32), (2, 16384, 8)):
         assert short(bh, length, rows) == SHORT  # fill chunks of <= 256 keys
-    assert short(2, 16384, 32) != SHORT  # 16 rows a program: 8 splits merge at once, chunks of 2048 keys
+    assert short(2, 16384, 32) == SHORT  # 16 rows a program: a tree of 8-partial nodes, 128 splits of 128 keys
     assert short(8, 4096, 32) == SHORT and short(8, 4096, 64) != SHORT  # B = 1 with Hq 32, not Hq 64
     assert short(32, 1024, 32) == SHORT and short(32, 1024, 128) != SHORT  # 32 kv heads, not B = 4 of 8
     for bh, length in ((8, 8192), (8, 32768), (8, 131072), (128, 512), (128, 4096), (128, 32768), (512, 16384),
@@ -564,7 +565,8 @@ def test_benchmark_shapes_bf16(b, length):
 
 @gpu
 @pytest.mark.parametrize("b,hq,hkv,lengths", [(1, 32, 8, [1024]), (1, 32, 8, [4096]), (2, 16, 4, [2048, 700]),
-                                              (1, 32, 32, [1000]), (1, 8, 2, [16384]), (1, 16, 16, [2001])])
+                                              (1, 32, 32, [1000]), (1, 8, 2, [16384]), (1, 16, 16, [2001]),
+                                              (1, 32, 1, [8192]), (1, 32, 2, [8191]), (1, 8, 1, [32768])])
 def test_short_caches_bf16(b, hq, hkv, lengths, monkeypatch):
     """Short caches take the two-programs-per-SM tile with automatic splits (chunks of 64-key blocks, at most
     DECODE_SHORT_MAX_MERGED_KEYS keys, merged at once): the rows against float64, the choice, and the launch's own
@@ -585,15 +587,26 @@ def test_short_caches_bf16(b, hq, hkv, lengths, monkeypatch):
 
 
 @gpu
-def test_split_decode_is_deterministic_gpu():
-    q = torch.randn(2, 1, 32, 128, device="cuda", dtype=torch.bfloat16)
-    k_cache = torch.randn(2, 65536, 8, 128, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("b,hq,hkv,length,num_splits,tree", [(2, 32, 8, 65536, 16, False), (1, 32, 1, 8192, 0, True),
+                                                             (1, 8, 1, 32768, 0, True), (1, 32, 2, 8000, 0, True)])
+def test_split_decode_is_deterministic_gpu(b, hq, hkv, length, num_splits, tree, monkeypatch):
+    """Twenty calls give the same bits: the splits finish in whatever order the GPU runs them, and the merge (one
+    program's loop, or a tree of at-once loads whose groups and node order are fixed) must not depend on it."""
+    real, taken = D._merge_at_once, []
+    monkeypatch.setattr(D, "_STEPS", {})
+    monkeypatch.setattr(D, "_merge_at_once", lambda *args: taken.append(real(*args)) or taken[-1])
+    q = torch.randn(b, 1, hq, 128, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.randn(b, length + 1000, hkv, 128, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
-    first = onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=60000, num_splits=16, return_lse=True)
+    first = onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=length, num_splits=num_splits,
+                                              return_lse=True)
+    assert taken and all(chosen["MERGE_TREE"] == tree for chosen in taken)
     for _ in range(20):
-        again = onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=60000, num_splits=16,
+        again = onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=length, num_splits=num_splits,
                                                   return_lse=True)
         assert torch.equal(again[0], first[0]) and torch.equal(again[1], first[1])
+    if tree:
+        _check_decode_rows(q, k_cache, v_cache, *first, [length], torch.bfloat16)
 
 
 @gpu

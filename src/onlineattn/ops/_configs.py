@@ -687,8 +687,8 @@ DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the long tile's grid has more p
 #   SM (the fill split count) would leave chunks of at most DECODE_SHORT_MAX_KEYS keys and at least
 #   DECODE_SHORT_MIN_SPLITS splits (d = 128 only). Its merge loads every partial at once, so it takes no more splits
 #   than that holds (decode_splits) unless those chunks would be long and a merge tree may run (whole nodes then),
-#   and only where its chunks stay within DECODE_SHORT_MAX_MERGED_KEYS (wide GQA groups hold few splits and no tree:
-#   Hq 32 / Hkv 1 would be cut to 4 splits). NOTES v36 (.devrun/dec44*.py,
+#   and only where its chunks stay within DECODE_SHORT_MAX_MERGED_KEYS (groups past MERGE_TREE_MAX_ROWS rows hold
+#   few splits and no tree). NOTES v36 (.devrun/dec44*.py,
 #   graph-timed, two rounds, SDPA's default in the same process; Hq / Hkv, B, L: old choice -> this, µs): 32 / 8, B =
 #   1, L = 1k 9.5-9.7 -> 6.7 (16 splits of one block, SDPA 6.2-6.6), 2k 9.8-9.9 -> 7.8-7.9 (32 of one; 7.2), 4k
 #   9.9-10.1 -> 9.3-9.5 (32 of two; 8.9-9.3); 32 / 32, B = 1, L = 1k 8.8-8.9 -> 8.4 (8); 8 / 2, B = 1, L = 4k
@@ -822,9 +822,12 @@ def merge_at_once_splits(rows: int, head_dim_v: int) -> int:
 # Past one load, the merge runs as a tree of at-once loads (decode.py's _merge_tree) where a program holds at most
 # this many packed rows (padded). NOTES v37 (.devrun/dec45b.py, graph-timed, d = 128, one query token; Hq / Hkv, B =
 # 1, L: the library's choice -> the best tree, SDPA's default): 28 / 4, 8k 15.4 -> 10.9-11.1 (10.3); 8 / 1, 8k 14.9
-# -> 12.5 (8.2); 8 / 2, 16k 14.4 -> 12.6-13.2 (9.9). With 16 or 32 rows a tree node took ~10 us, not one L2 round
-# trip (32 / 1, 8k: 20.8 with the loop -> 36-45; 32 / 2, 8k: 15.2 -> 20-21; cause not found), so those keep the loop.
-MERGE_TREE_MAX_ROWS = 8
+# -> 12.5 (8.2); 8 / 2, 16k 14.4 -> 12.6-13.2 (9.9). A node of 16 or 32 rows then took ~10 us: the at-once load put
+# the splits on the warps and summed them across warps through shared memory. With the rows leading the load (NOTES
+# v38, benchmarks/ab_decode.py, causal calls) a tree of them pays: 32 / 1, 8k 20.6 (the loop, also with a limit of
+# 16 rows) -> 13.0 (128 splits in nodes of 4; SDPA 8.9); 32 / 2, 8k 15.6 -> 10.7 (nodes of 8; SDPA 8.9); the
+# shapes of at most 8 rows the same with a limit of 8, 16 or 32.
+MERGE_TREE_MAX_ROWS = 32
 
 
 def merge_tree_node(rows: int, head_dim_v: int) -> int:

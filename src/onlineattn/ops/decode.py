@@ -93,20 +93,23 @@ def _merge_splits(p_o, p_lse, split_stride_o, split_stride_lse, num_splits, m_r,
 def _merge_splits_at_once(P_O, P_LSE, first, rows, num_splits, o_dv, m_dv, SPLITS: tl.constexpr, ROWS: tl.constexpr,
                           HEAD_DIM_V: tl.constexpr):
     """Merge the ``num_splits`` partial states of one program's ``rows`` (≤ ROWS) packed rows with one load of all
-    of them (``[SPLITS, ROWS, BLOCK_DV]``, the splits padded to a power of two): one L2 round trip, where the loop of
+    of them (``[ROWS, SPLITS, BLOCK_DV]``, the splits padded to a power of two): one L2 round trip, where the loop of
     ``_merge_splits`` takes one per pipeline depth. The same weights, ``exp(lse_s − max lse)``, summed over the
-    splits in a fixed tree order (deterministic; a single non-empty split comes back bit for bit)."""
-    o_s = tl.arange(0, SPLITS)[:, None]
-    o_r = tl.arange(0, ROWS)[None, :]
-    part = (first + o_s) * rows + o_r  # [SPLITS, ROWS] partial rows, int64
+    splits in a fixed tree order (deterministic; a single non-empty split comes back bit for bit). Rows lead the
+    load so that Triton spreads the warps over the rows and each thread sums its splits in registers; with the splits
+    leading, one split a warp, the sum crossed the warps through shared memory (NOTES v37: 61 barriers and 254
+    registers for 32 rows, against 43 and 209)."""
+    o_r = tl.arange(0, ROWS)[:, None]
+    o_s = tl.arange(0, SPLITS)[None, :]
+    part = (first + o_s) * rows + o_r  # [ROWS, SPLITS] partial rows, int64
     ok = (o_s < num_splits) & (o_r < rows)
     lse = tl.load(P_LSE + part, mask=ok, other=float("-inf"), cache_modifier=".cg")
     p_o = P_O + part[:, :, None] * HEAD_DIM_V + o_dv[None, None, :]
     o = tl.load(p_o, mask=ok[:, :, None] & m_dv[None, None, :], other=0.0, cache_modifier=".cg")
-    m = tl.max(lse, axis=0)
-    w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m)[None, :])  # 0 for an empty part (lse = -inf)
-    acc = tl.sum(tl.where(w[:, :, None] > 0.0, w[:, :, None] * o, 0.0), axis=0)
-    return finalize_merge(m, tl.sum(w, axis=0), acc)
+    m = tl.max(lse, axis=1)
+    w = tl.exp(lse - tl.where(m == float("-inf"), 0.0, m)[:, None])  # 0 for an empty part (lse = -inf)
+    acc = tl.sum(tl.where(w[:, :, None] > 0.0, w[:, :, None] * o, 0.0), axis=1)
+    return finalize_merge(m, tl.sum(w, axis=1), acc)
 
 
 @triton.jit

@@ -1,0 +1,80 @@
+"""Time one-token decode at chosen shapes, ours beside SDPA's default in the same process, for A/B runs of two trees.
+
+Run it once per tree, alternating trees in separate processes (PYTHONPATH picks the tree), and compare the lines:
+
+    for r in 1 2; do for t in .base/src src; do
+      PYTHONPATH=$t python3 benchmarks/ab_decode.py --label $t --shapes 32:8:1:32768,32:1:1:8192
+    done; done
+
+Shapes are ``Hq:Hkv:B:L`` (d 128, bf16, contiguous cache, every sequence L long). Times are medians in µs of
+``triton.testing.do_bench_cudagraph`` (kernel time, no launch overhead; a cache that fits in L2 is read from L2), or
+with ``--cold`` of the bench's cold timing (L2 cleared before each call, the host hidden). ``--causal`` passes
+``causal=True`` (one query token: the same result; the launcher picks its causal build where that reads faster).
+``--set NAME=VALUE`` overrides an integer of ``onlineattn.ops._configs`` for this process (a rule's threshold, for
+example ``MERGE_TREE_MAX_ROWS=32``); ``--splits`` forces a split count. Each line also names the tile, split count
+and merge the launcher chose.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import triton.testing
+
+from onlineattn.api import attention_with_kvcache
+from onlineattn.bench.rows import time_cold
+from onlineattn.ops import _configs as C
+from onlineattn.ops import decode as D
+
+
+def _time_us(fn, cold: bool) -> float:
+    fn(), fn()
+    torch.cuda.synchronize()
+    return 1e3 * (time_cold(fn) if cold else triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+
+def _choice() -> str:
+    """The tile, splits and merge of the step the last call launched (the launcher's cached choice)."""
+    step = next(reversed(D._STEPS.values()))
+    config, _, splits, merge, _ = next(reversed(step.lengths.values()))
+    return f"bn{config.block_n}s{config.num_stages}x{config.per_sm} splits {splits} node {merge['MERGE_SPLITS']}" + (
+        " tree" if merge["MERGE_TREE"] else "")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--label", default="tree")
+    p.add_argument("--shapes", required=True, help="comma-separated Hq:Hkv:B:L")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--cold", action="store_true", help="time as the bench's --cold does (L2 cleared, host hidden)")
+    p.add_argument("--splits", type=int, default=0)
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--no-sdpa", action="store_true")
+    args = p.parse_args()
+    for item in args.set:
+        name, value = item.split("=")
+        if not isinstance(getattr(C, name), int):
+            raise SystemExit(f"--set: {name} is not an integer of _configs")
+        setattr(C, name, int(value))
+    for shape in args.shapes.split(","):
+        hq, hkv, b, length = (int(x) for x in shape.split(":"))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        q = torch.randn(b, 1, hq, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        k, v = (torch.randn(b, length, hkv, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "kv")
+        lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
+        D._STEPS.clear()
+        ours = _time_us(lambda: attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=args.causal,
+                                                        num_splits=args.splits, check_indices=False), args.cold)
+        line = f"{args.label} {hq}/{hkv} B={b} L={length}: ours {ours:.2f} ({_choice()})"
+        if not args.no_sdpa:
+            qs, ks, vs = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            sdpa = _time_us(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
+                            args.cold)
+            line += f" sdpa {sdpa:.2f} ({sdpa / ours:.3f}x)"
+        print(line, flush=True)
+        del q, k, v
+
+
+if __name__ == "__main__":
+    main()
