@@ -6,18 +6,20 @@ Run it once per tree, alternating trees in separate processes (PYTHONPATH picks 
       PYTHONPATH=$t python3 benchmarks/ab_decode.py --label $t --shapes 32:8:1:32768,32:1:1:8192
     done; done
 
-Shapes are ``Hq:Hkv:B:L`` (d 128, bf16, contiguous cache, every sequence L long). Times are medians in µs of
-``triton.testing.do_bench_cudagraph`` (kernel time, no launch overhead; a cache that fits in L2 is read from L2), or
-with ``--cold`` of the bench's cold timing (L2 cleared before each call, the host hidden). ``--causal`` passes
-``causal=True`` (one query token: the same result; the launcher picks its causal build where that reads faster).
-``--set NAME=VALUE`` overrides an integer of ``onlineattn.ops._configs`` for this process (a rule's threshold, for
-example ``MERGE_TREE_MAX_ROWS=32``); ``--splits`` forces a split count. Each line also names the tile, split count
-and merge the launcher chose.
+Shapes are ``Hq:Hkv:B:L`` (d 128, bf16, contiguous cache, every sequence L long). ``--timing``: ``graph`` (the
+default), medians in µs of ``triton.testing.do_bench_cudagraph`` (kernel time, no launch overhead; a cache that fits
+in L2 is read from L2); ``cold``, the bench's cold timing (L2 cleared before each call, the host hidden); ``host``,
+the host µs of one eager call, with the GPU held busy so that no call waits for it (where an eager row times the host,
+this is why). ``--causal`` passes ``causal=True`` (one query token: the same result; the launcher picks its causal
+build where that reads faster). ``--set NAME=VALUE`` overrides an integer of ``onlineattn.ops._configs`` for this
+process (a rule's threshold, for example ``MERGE_TREE_MAX_ROWS=32``); ``--splits`` forces a split count. Each line
+also names the tile, split count and merge the launcher chose.
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 import triton.testing
@@ -28,10 +30,26 @@ from onlineattn.ops import _configs as C
 from onlineattn.ops import decode as D
 
 
-def _time_us(fn, cold: bool) -> float:
+def _time_us(fn, timing: str) -> float:
     fn(), fn()
     torch.cuda.synchronize()
-    return 1e3 * (time_cold(fn) if cold else triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+    if timing == "host":
+        return _host_us(fn)
+    return 1e3 * (time_cold(fn) if timing == "cold" else
+                  triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
+
+
+def _host_us(fn, calls: int = 200) -> float:
+    """Host µs per eager call, the GPU held busy by a sleep kernel so that no call waits for it (median of 5)."""
+    times = []
+    for _ in range(5):
+        torch.cuda._sleep(calls * 200_000)  # ~100 µs a call at the H200's clock: longer than the host takes
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+        torch.cuda.synchronize()
+    return sorted(times)[2]
 
 
 def _choice() -> str:
@@ -47,7 +65,7 @@ def main() -> None:
     p.add_argument("--label", default="tree")
     p.add_argument("--shapes", required=True, help="comma-separated Hq:Hkv:B:L")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--cold", action="store_true", help="time as the bench's --cold does (L2 cleared, host hidden)")
+    p.add_argument("--timing", choices=("graph", "cold", "host"), default="graph")
     p.add_argument("--splits", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--no-sdpa", action="store_true")
@@ -65,12 +83,12 @@ def main() -> None:
         lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
         D._STEPS.clear()
         ours = _time_us(lambda: attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=args.causal,
-                                                        num_splits=args.splits, check_indices=False), args.cold)
+                                                        num_splits=args.splits, check_indices=False), args.timing)
         line = f"{args.label} {hq}/{hkv} B={b} L={length}: ours {ours:.2f} ({_choice()})"
         if not args.no_sdpa:
             qs, ks, vs = (x.transpose(1, 2).contiguous() for x in (q, k, v))
             sdpa = _time_us(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True),
-                            args.cold)
+                            args.timing)
             line += f" sdpa {sdpa:.2f} ({sdpa / ours:.3f}x)"
         print(line, flush=True)
         del q, k, v

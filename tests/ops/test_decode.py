@@ -369,6 +369,10 @@ def test_split_heuristic():
     assert C.decode_splits(short, 4, 8192, sms, 7, 128) == 64  # 66 by the fill, nodes of 16 (8 rows)
     assert C.decode_splits(short, 1, 8192, sms, 8, 128) == 128
     assert C.decode_splits(short, 4, 2048, sms, 8, 128) == 16  # capped chunks of 128 keys: one node
+    # ... or where the capped grid would fill at most 1 / DECODE_TREE_SPARSE of the SMs
+    assert C.decode_splits(short, 1, 4096, sms, 8, 128) == 64  # 16 programs capped; 64 chunks of one block
+    assert C.decode_splits(short, 2, 2048, sms, 16, 128) == 32  # 2 x 8 programs capped
+    assert C.decode_splits(short, 4, 4096, sms, 7, 128) == 16  # 4 x 16 capped: the cap
     assert C.decode_splits(short, 1, 8192, sms, 32, 128) == 128  # 32 rows: nodes of 4
     assert C.decode_splits(short, 1, 8192, sms, 64, 128) == 2  # 64 rows: no tree, the cap
     assert C.decode_splits(C.DecodeConfig(64, 64, 4, 3), 8, 4096, sms, 4, 128) == 16  # one program per SM: no cap

@@ -703,6 +703,11 @@ DECODE_SHORT_MAX_KEYS = 256
 DECODE_SHORT_MIN_SPLITS = 4
 DECODE_SHORT_MAX_ROWS = 32
 DECODE_SHORT_MAX_MERGED_KEYS = 512
+# The short tile's tree also where its capped grid would fill at most 1 / DECODE_TREE_SPARSE of the SMs (NOTES v38,
+# graph-timed, Hq / Hkv, B = 1, L: the cap -> a tree, SDPA's default, us): 8 / 1, 4k 8.3 -> 7.1 (16 programs of 256
+# keys -> 64 of 64; 7.1); 32 / 2, 2k 8.4 -> 7.3 (16 -> 32 programs; 6.8). At 64 capped programs the tree lost: 28 / 4,
+# 4k 8.6-8.8 -> 9.0-9.5; 8 / 2, 4k 6.2 -> 7.0; 32 / 4, 2k 6.6 -> 7.4.
+DECODE_TREE_SPARSE = 4
 # - Paged caches (session 18, sweep_decode.py --paged 256 at fbc1758, graph-timed, d = 128 bf16, Hq 32, Hkv 8): the
 #   page id feeds each block's K/V addresses, so the pipeliner keeps fewer K/V loads in flight than for a contiguous
 #   cache, and the contiguous tiles left paged B = 1 at 2.3-2.6 TB/s. Five stages restore the depth. The gathered
@@ -792,15 +797,17 @@ def decode_splits(tile: DecodeConfig, programs: int, max_seqlen_k: int, num_sms:
                   head_dim_v: int) -> int:
     """``tile``'s automatic split count: ``decode_num_splits`` by its fields, and for a tile of more than one program
     per SM, which merges at once, no more than that merge holds for ``rows`` packed rows a program (where it holds
-    more than one), unless its chunks would then pass DECODE_SHORT_MAX_KEYS and the merge may run as a tree
-    (``merge_tree_node``): then whole nodes of the tree (NOTES v37: where the capped chunks stay short an extra level
-    lost, Hq 32 / Hkv 4, B = 1, L = 2k: 16 splits 9.2 us, 32 in a tree 12.3)."""
+    more than one), unless the merge may run as a tree (``merge_tree_node``) and its chunks would then pass
+    DECODE_SHORT_MAX_KEYS or its grid leave most SMs idle (DECODE_TREE_SPARSE): then whole nodes of the tree (NOTES
+    v37: where the capped chunks stay short an extra level lost, Hq 32 / Hkv 4, B = 1, L = 2k: 16 splits 9.2 us, 32 in
+    a tree 12.3; v38: 6.6 against 7.4 with the rows-first merge)."""
     splits = decode_num_splits(programs, max_seqlen_k, num_sms, tile.block_n, tile.balance, tile.per_sm,
                                tile.min_blocks)
     held = merge_at_once_splits(rows, head_dim_v) if tile.per_sm > 1 else 0
     if not 1 < held < splits:
         return splits
-    if merge_tree_node(rows, head_dim_v) and -(-max_seqlen_k // held) > DECODE_SHORT_MAX_KEYS:
+    sparse = programs * held * DECODE_TREE_SPARSE <= num_sms  # the capped grid would leave most SMs idle
+    if merge_tree_node(rows, head_dim_v) and (-(-max_seqlen_k // held) > DECODE_SHORT_MAX_KEYS or sparse):
         return splits - splits % held  # a tree of whole nodes
     return held
 
