@@ -6,6 +6,8 @@ The central claim (issue #5): decoding a random sequence token by token after a 
 causal attention over the whole sequence, for contiguous and paged caches (random page tables, page sizes 16 and 256).
 """
 
+import itertools
+
 import pytest
 import torch
 
@@ -369,9 +371,10 @@ def test_split_heuristic():
     assert C.decode_splits(short, 4, 8192, sms, 7, 128) == 64  # 66 by the fill, nodes of 16 (8 rows)
     assert C.decode_splits(short, 1, 8192, sms, 8, 128) == 128
     assert C.decode_splits(short, 4, 2048, sms, 8, 128) == 16  # capped chunks of 128 keys: one node
-    # ... or where the capped grid would fill at most 1 / DECODE_TREE_SPARSE of the SMs
-    assert C.decode_splits(short, 1, 4096, sms, 8, 128) == 64  # 16 programs capped; 64 chunks of one block
-    assert C.decode_splits(short, 2, 2048, sms, 16, 128) == 32  # 2 x 8 programs capped
+    # ... or half that where the capped grid would fill at most 1 / DECODE_TREE_SPARSE of the SMs
+    assert C.decode_splits(short, 1, 4096, sms, 8, 128) == 64  # 16 programs of 256 keys capped; 64 of one block
+    assert C.decode_splits(short, 2, 2048, sms, 16, 128) == 32  # 2 x 8 programs of 256 keys capped
+    assert C.decode_splits(short, 1, 2048, sms, 8, 128) == 16  # 16 of 128 keys: the cap
     assert C.decode_splits(short, 4, 4096, sms, 7, 128) == 16  # 4 x 16 capped: the cap
     assert C.decode_splits(short, 1, 8192, sms, 32, 128) == 128  # 32 rows: nodes of 4
     assert C.decode_splits(short, 1, 8192, sms, 64, 128) == 2  # 64 rows: no tree, the cap
@@ -468,6 +471,10 @@ def test_decode_tiles():
     assert short(2, 16384, 32) == SHORT  # 16 rows a program: a tree of 8-partial nodes, 128 splits of 128 keys
     assert short(8, 4096, 32) == SHORT and short(8, 4096, 64) != SHORT  # B = 1 with Hq 32, not Hq 64
     assert short(32, 1024, 32) == SHORT and short(32, 1024, 128) != SHORT  # 32 kv heads, not B = 4 of 8
+    for bh, length, rows in itertools.product((1, 2, 4, 8, 16, 32), range(64, 20000, 97), (1, 4, 8, 16, 32)):
+        if rows >= bh and short(bh, length, rows) == SHORT:  # its split keeps chunks short: one load or a tree
+            splits = C.decode_splits(SHORT, bh, length, 132, -(-rows // bh), 128)
+            assert splits > 1 and -(-length // splits) <= 512, (bh, length, rows)
     for bh, length in ((8, 8192), (8, 32768), (8, 131072), (128, 512), (128, 4096), (128, 32768), (512, 16384),
                        (16, 4096), (32, 4096),
                        (512, 131072), (64, 32768), (32, 131072)):
@@ -572,8 +579,8 @@ def test_benchmark_shapes_bf16(b, length):
                                               (1, 32, 32, [1000]), (1, 8, 2, [16384]), (1, 16, 16, [2001]),
                                               (1, 32, 1, [8192]), (1, 32, 2, [8191]), (1, 8, 1, [32768])])
 def test_short_caches_bf16(b, hq, hkv, lengths, monkeypatch):
-    """Short caches take the two-programs-per-SM tile with automatic splits (chunks of 64-key blocks, at most
-    DECODE_SHORT_MAX_MERGED_KEYS keys, merged at once): the rows against float64, the choice, and the launch's own
+    """Short caches take the two-programs-per-SM tile with automatic splits (chunks of 64-key blocks, merged at once
+    or by a tree of such loads): the rows against float64, the choice, and the launch's own
     merge (recorded from the launcher, so a grid counted against one program per SM would show as the loop)."""
     real, taken = D._merge_at_once, []
     monkeypatch.setattr(D, "_STEPS", {})

@@ -686,9 +686,9 @@ DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the long tile's grid has more p
 # - Short caches: two programs per SM over chunks of 64-key blocks, 2 stages, no balance splits, where one program per
 #   SM (the fill split count) would leave chunks of at most DECODE_SHORT_MAX_KEYS keys and at least
 #   DECODE_SHORT_MIN_SPLITS splits (d = 128 only). Its merge loads every partial at once, so it takes no more splits
-#   than that holds (decode_splits) unless those chunks would be long and a merge tree may run (whole nodes then),
-#   and only where its chunks stay within DECODE_SHORT_MAX_MERGED_KEYS (groups past MERGE_TREE_MAX_ROWS rows hold
-#   few splits and no tree). NOTES v36 (.devrun/dec44*.py,
+#   than that holds (decode_splits) unless those chunks would be long and a merge tree may run (whole nodes then).
+#   (Its chunks used to be held to 512 keys, for wide GQA groups whose merge held few splits and ran no tree; with
+#   trees up to DECODE_SHORT_MAX_ROWS rows that never binds, NOTES v38.) NOTES v36 (.devrun/dec44*.py,
 #   graph-timed, two rounds, SDPA's default in the same process; Hq / Hkv, B, L: old choice -> this, µs): 32 / 8, B =
 #   1, L = 1k 9.5-9.7 -> 6.7 (16 splits of one block, SDPA 6.2-6.6), 2k 9.8-9.9 -> 7.8-7.9 (32 of one; 7.2), 4k
 #   9.9-10.1 -> 9.3-9.5 (32 of two; 8.9-9.3); 32 / 32, B = 1, L = 1k 8.8-8.9 -> 8.4 (8); 8 / 2, B = 1, L = 4k
@@ -702,11 +702,11 @@ _DECODE_SHORT = {128: DecodeConfig(64, 64, 4, 2, balance=False, per_sm=2, min_bl
 DECODE_SHORT_MAX_KEYS = 256
 DECODE_SHORT_MIN_SPLITS = 4
 DECODE_SHORT_MAX_ROWS = 32
-DECODE_SHORT_MAX_MERGED_KEYS = 512
-# The short tile's tree also where its capped grid would fill at most 1 / DECODE_TREE_SPARSE of the SMs (NOTES v38,
-# graph-timed, Hq / Hkv, B = 1, L: the cap -> a tree, SDPA's default, us): 8 / 1, 4k 8.3 -> 7.1 (16 programs of 256
-# keys -> 64 of 64; 7.1); 32 / 2, 2k 8.4 -> 7.3 (16 -> 32 programs; 6.8). At 64 capped programs the tree lost: 28 / 4,
-# 4k 8.6-8.8 -> 9.0-9.5; 8 / 2, 4k 6.2 -> 7.0; 32 / 4, 2k 6.6 -> 7.4.
+# The short tile's tree from capped chunks of half DECODE_SHORT_MAX_KEYS where its capped grid would fill at most
+# 1 / DECODE_TREE_SPARSE of the SMs (NOTES v38, graph-timed, Hq / Hkv, B = 1, L: the cap -> a tree, SDPA's default,
+# us): 8 / 1, 4k 8.2 -> 7.1 (16 programs of 256 keys -> 64 of 64; 7.1); 32 / 2, 2k 8.4 -> 7.3 (16 -> 32 programs;
+# 6.9); 16 / 2, 4k 8.5 -> 7.5 (32 -> 128; 7.2). It lost with chunks of 128 keys (8 / 1, 2k 6.1 -> 6.7-7.0) and at 64
+# capped programs (28 / 4, 4k 8.6-8.8 -> 9.0-9.5; 8 / 2, 4k 6.2 -> 7.0; 32 / 4, 2k 6.6 -> 7.4).
 DECODE_TREE_SPARSE = 4
 # - Paged caches (session 18, sweep_decode.py --paged 256 at fbc1758, graph-timed, d = 128 bf16, Hq 32, Hkv 8): the
 #   page id feeds each block's K/V addresses, so the pipeliner keeps fewer K/V loads in flight than for a contiguous
@@ -743,9 +743,7 @@ def decode_config(head_dim: int, head_dim_v: int, dtype: torch.dtype, device_typ
     if (short is not None and fill and not paged and not num_splits and max_seqlen_k > 0
             and 0 < rows <= DECODE_SHORT_MAX_ROWS and splits >= DECODE_SHORT_MIN_SPLITS
             and -(-max_seqlen_k // splits) <= DECODE_SHORT_MAX_KEYS):
-        short_splits = decode_splits(short, batch_heads, max_seqlen_k, num_sms, -(-rows // batch_heads), head_dim_v)
-        if short_splits > 1 and -(-max_seqlen_k // short_splits) <= DECODE_SHORT_MAX_MERGED_KEYS:
-            return short
+        return short
     long = _DECODE_LONG.get(padded)
     if long is not None and not paged:
         if fill:  # chunks of at least DECODE_MIN_BLOCKS_PER_SPLIT 128-key blocks
@@ -798,16 +796,17 @@ def decode_splits(tile: DecodeConfig, programs: int, max_seqlen_k: int, num_sms:
     """``tile``'s automatic split count: ``decode_num_splits`` by its fields, and for a tile of more than one program
     per SM, which merges at once, no more than that merge holds for ``rows`` packed rows a program (where it holds
     more than one), unless the merge may run as a tree (``merge_tree_node``) and its chunks would then pass
-    DECODE_SHORT_MAX_KEYS or its grid leave most SMs idle (DECODE_TREE_SPARSE): then whole nodes of the tree (NOTES
-    v37: where the capped chunks stay short an extra level lost, Hq 32 / Hkv 4, B = 1, L = 2k: 16 splits 9.2 us, 32 in
-    a tree 12.3; v38: 6.6 against 7.4 with the rows-first merge)."""
+    DECODE_SHORT_MAX_KEYS (half that where its grid would leave most SMs idle, DECODE_TREE_SPARSE): then whole nodes
+    of the tree (NOTES v37: where the capped chunks stay short an extra level lost, Hq 32 / Hkv 4, B = 1, L = 2k: 16
+    splits 9.2 us, 32 in a tree 12.3; v38: 6.6 against 7.4 with the rows-first merge)."""
     splits = decode_num_splits(programs, max_seqlen_k, num_sms, tile.block_n, tile.balance, tile.per_sm,
                                tile.min_blocks)
     held = merge_at_once_splits(rows, head_dim_v) if tile.per_sm > 1 else 0
     if not 1 < held < splits:
         return splits
     sparse = programs * held * DECODE_TREE_SPARSE <= num_sms  # the capped grid would leave most SMs idle
-    if merge_tree_node(rows, head_dim_v) and (-(-max_seqlen_k // held) > DECODE_SHORT_MAX_KEYS or sparse):
+    longest = DECODE_SHORT_MAX_KEYS // 2 if sparse else DECODE_SHORT_MAX_KEYS  # capped chunks past it: a tree
+    if merge_tree_node(rows, head_dim_v) and -(-max_seqlen_k // held) > longest:
         return splits - splits % held  # a tree of whole nodes
     return held
 
