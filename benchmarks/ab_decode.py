@@ -72,7 +72,7 @@ def main() -> None:
     args = p.parse_args()
     for item in args.set:
         name, value = item.split("=")
-        if not isinstance(getattr(C, name), int):
+        if type(getattr(C, name, None)) is not int:  # not a bool flag, not a missing name
             raise SystemExit(f"--set: {name} is not an integer of _configs")
         setattr(C, name, int(value))
     for shape in args.shapes.split(","):

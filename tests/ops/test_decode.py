@@ -182,7 +182,7 @@ def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, merge,
     b, d = 2, 16
     elements = {"at-once": C.MERGE_AT_ONCE_MAX_ELEMENTS, "tree": 2 * D.next_power_of_2(sq * hq // hkv) * d, "loop": 0}
     monkeypatch.setattr(C, "MERGE_AT_ONCE_MAX_ELEMENTS", elements[merge])
-    monkeypatch.setattr(C, "MERGE_TREE_MAX_ROWS", 16)  # the tree's kernel at 9 of 16 rows too
+    monkeypatch.setattr(C, "MERGE_TREE_MAX_ROWS", 16)  # below the default 32: the tree at 9 of 16 rows, its limit
     monkeypatch.setattr(D, "_sm_count", lambda device: 1 << 20)  # every grid here counts as one program per SM
     monkeypatch.setattr(D, "_merge_at_once", lambda *args: taken.append(real_at_once(*args)) or taken[-1])
     q, k, v = _sequence(b, 300, hq, hkv, d, d, torch.float32, seed=num_splits)
@@ -471,6 +471,7 @@ def test_decode_tiles():
     assert short(2, 16384, 32) == SHORT  # 16 rows a program: a tree of 8-partial nodes, 128 splits of 128 keys
     assert short(8, 4096, 32) == SHORT and short(8, 4096, 64) != SHORT  # B = 1 with Hq 32, not Hq 64
     assert short(32, 1024, 32) == SHORT and short(32, 1024, 128) != SHORT  # 32 kv heads, not B = 4 of 8
+    assert C.MERGE_TREE_MAX_ROWS >= C.DECODE_SHORT_MAX_ROWS  # every short-tile grid can merge as a tree
     for bh, length, rows in itertools.product((1, 2, 4, 8, 16, 32), range(64, 20000, 97), (1, 4, 8, 16, 32)):
         if rows >= bh and short(bh, length, rows) == SHORT:  # its split keeps chunks short: one load or a tree
             splits = C.decode_splits(SHORT, bh, length, 132, -(-rows // bh), 128)

@@ -697,7 +697,7 @@ DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the long tile's grid has more p
 #   L = 4k 12.6 -> 13.8), so the fill tiles keep them. Grids of more than DECODE_SHORT_MAX_ROWS query rows (B · Sq ·
 #   Hq) lost with the same programs and chunks (dab44.py, b59a84b against bb92c8f, alternating processes: 32 / 8,
 #   B = 2, L = 2k 9.5 -> 10.8; B = 4, L = 1k 9.3 -> 10.5; 64 / 8, B = 1, L = 4k 11.0 -> 11.8; cause not found), so
-#   they keep the fill tiles too. GQA groups past 8 are unmeasured.
+#   they keep the fill tiles too. GQA groups of 16 and 32 (32 / 2 and 32 / 1, B = 1, 8k): NOTES v38.
 _DECODE_SHORT = {128: DecodeConfig(64, 64, 4, 2, balance=False, per_sm=2, min_blocks=1)}
 DECODE_SHORT_MAX_KEYS = 256
 DECODE_SHORT_MIN_SPLITS = 4
@@ -831,8 +831,10 @@ def merge_at_once_splits(rows: int, head_dim_v: int) -> int:
 # -> 12.5 (8.2); 8 / 2, 16k 14.4 -> 12.6-13.2 (9.9). A node of 16 or 32 rows then took ~10 us: the at-once load put
 # the splits on the warps and summed them across warps through shared memory. With the rows leading the load (NOTES
 # v38, benchmarks/ab_decode.py, causal calls) a tree of them pays: 32 / 1, 8k 20.6 (the loop, also with a limit of
-# 16 rows) -> 13.0 (128 splits in nodes of 4; SDPA 8.9); 32 / 2, 8k 15.6 -> 10.7 (nodes of 8; SDPA 8.9); the
-# shapes of at most 8 rows the same with a limit of 8, 16 or 32.
+# 16 rows, measured while the short tile's chunks were still held to 512 keys) -> 13.0 (128 splits in nodes of 4;
+# SDPA 8.9); 32 / 2, 8k 15.6 -> 10.7 (nodes of 8; SDPA 8.9); the shapes of at most 8 rows the same with a limit of
+# 8, 16 or 32. Measured for the short tile at d = 128 only: trees of 16-32 rows for the long and paged tiles, other
+# head dims and Sq > 1 are tested, not timed.
 MERGE_TREE_MAX_ROWS = 32
 
 
