@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import replace
 
@@ -16,7 +17,9 @@ from . import dropout, torch_impl
 from ._mods import PLAIN, Mods
 
 
+@functools.cache
 def _triton_forward_available() -> bool:
+    """Whether the Triton kernels import (asked once: every eager call resolves its backend, NOTES v38)."""
     try:
         from .ops import forward  # noqa: F401
     except ImportError:
