@@ -6,6 +6,7 @@ The central claim (issue #5): decoding a random sequence token by token after a 
 causal attention over the whole sequence, for contiguous and paged caches (random page tables, page sizes 16 and 256).
 """
 
+import dataclasses
 import itertools
 
 import pytest
@@ -163,13 +164,15 @@ def test_without_new_tokens_the_cache_is_only_read():
 
 
 @pytest.mark.parametrize("merge", ["at-once", "tree", "loop"])
-@pytest.mark.parametrize("sq,hq,hkv", [(2, 4, 2), (1, 2, 2), (3, 6, 2)], ids=["4-rows", "1-row", "9-of-16-rows"])
+@pytest.mark.parametrize("sq,hq,hkv", [(2, 4, 2), (1, 2, 2), (3, 6, 2), (5, 8, 1)],
+                         ids=["4-rows", "1-row", "9-of-16-rows", "40-rows-in-16-row-blocks"])
 @pytest.mark.parametrize("num_splits", [1, 2, 5, 64])
 def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, merge, monkeypatch):
     """Outputs and the split scratch start as NaN; more splits than key blocks leave empty chunks, which must still
     write (o = 0, lse = -inf) for the merge, whether it loads every partial at once (packed rows padded to a power
-    of two: 1, 4, or 9 of 16), runs as a tree of two partials a node (5 splits: three levels; 64, cut to the key
-    blocks: four) or loops over them. Fresh scratch for this test, so the poison is not another test's."""
+    of two: 1, 4, or 9 of 16; 40 rows as row blocks of 16, 16 and 8, each merging its own), runs as a tree of two
+    partials a node (5 splits: three levels; 64, cut to the key blocks: four) or loops over them. Fresh scratch for
+    this test, so the poison is not another test's."""
     real, real_at_once, taken = D._workspace, D._merge_at_once, []
 
     def poisoned(*args):
@@ -180,7 +183,10 @@ def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, merge,
     monkeypatch.setattr(D, "_STEPS", {})  # no launch kept from another case: each case chooses its merge afresh
     monkeypatch.setattr(D, "_workspace", poisoned)
     b, d = 2, 16
-    elements = {"at-once": C.MERGE_AT_ONCE_MAX_ELEMENTS, "tree": 2 * D.next_power_of_2(sq * hq // hkv) * d, "loop": 0}
+    tile = C.decode_config(d, d, torch.float32, DEVICE)
+    tile = dataclasses.replace(tile, block_m=16) if sq * hq // hkv > 16 else tile
+    block_rows = min(sq * hq // hkv, tile.block_m)
+    elements = {"at-once": C.MERGE_AT_ONCE_MAX_ELEMENTS, "tree": 2 * D.next_power_of_2(block_rows) * d, "loop": 0}
     monkeypatch.setattr(C, "MERGE_AT_ONCE_MAX_ELEMENTS", elements[merge])
     monkeypatch.setattr(C, "MERGE_TREE_MAX_ROWS", 16)  # below the default 32: the tree at 9 of 16 rows, its limit
     monkeypatch.setattr(D, "_sm_count", lambda device: 1 << 20)  # every grid here counts as one program per SM
@@ -191,13 +197,13 @@ def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, merge,
     out = torch.full((b, sq, hq, d), float("nan"), device=DEVICE)
     lse_out = torch.full((b, hq, sq), float("nan"), device=DEVICE)
     o, lse = D.attention_with_kvcache(q[:, :sq], k_cache, v_cache, None, None, lens, None, d**-0.5, True, num_splits,
-                                      out=out, lse_out=lse_out)
+                                      out=out, lse_out=lse_out, config=tile)
     exact = R.kvcache_attention(q[:, :sq], k_cache, v_cache, cache_seqlens=lens)
     R.assert_within_rule("o", o, exact[0], dtype_name="float32")
     R.assert_within_rule("lse", lse, exact[1], dtype_name="float32")
     if num_splits > 1:
         assert all(int(counts.abs().sum()) == 0 for _, counts in D._WORKSPACES.values()), "a counter was not reset"
-        launched = min(num_splits, -(-300 // C.decode_config(d, d, torch.float32, DEVICE).block_n))
+        launched = min(num_splits, -(-300 // tile.block_n))
         node = {"at-once": D.next_power_of_2(launched), "tree": 2, "loop": 0}[merge]
         tree = 0 < node < D.next_power_of_2(launched)  # 2 splits: one node, the one-load code
         assert taken and all(n["MERGE_SPLITS"] == node and n["MERGE_TREE"] == tree for n in taken)
@@ -205,9 +211,10 @@ def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, merge,
 
 def test_merge_at_once_only_where_the_grid_fits_the_sms():
     """The merge runs as a tree of at-once loads (one node where every partial fits) only where every program has an
-    SM to itself (NOTES v19) and a node holds two partials or more; elsewhere MERGE_SPLITS is 0, the loop."""
-    def plan(grid_bh, row_blocks=1, rows=4, width=128):
-        return D._Plan(grid_bh, row_blocks, rows, 0, (), {"BLOCK_DV": width})
+    SM to itself (NOTES v19) and a node holds two partials or more; elsewhere MERGE_SPLITS is 0, the loop. Each row
+    block merges its own rows."""
+    def plan(grid_bh, row_blocks=1, rows=4, width=128, block_m=64):
+        return D._Plan(grid_bh, row_blocks, rows, 0, (), {"BLOCK_DV": width, "BLOCK_M": block_m})
 
     def merge(*args):
         chosen = D._merge_at_once(*args)
@@ -228,7 +235,9 @@ def test_merge_at_once_only_where_the_grid_fits_the_sms():
     assert merge(plan(1, rows=64), 2, 132) == (2, 64)  # ... unless every partial fits one load
     assert merge(plan(8, rows=128), 4, 132) == (0, 0)  # one partial a node: no tree
     assert merge(plan(8), 32, 264) == (32, 4)  # the short-cache tile: two programs per SM (slots = 2 x SMs)
-    assert merge(plan(8, row_blocks=2, rows=80), 4, 132) == (0, 0)  # rows in two blocks
+    assert merge(plan(8, row_blocks=2, rows=80), 4, 132) == (0, 0)  # rows in two blocks of 64: one partial fits
+    assert merge(plan(8, row_blocks=2, rows=80), 2, 132) == (2, 64)  # ... two do
+    assert merge(plan(1, row_blocks=2, rows=32, block_m=16), 64, 132) == (8, 16)  # 16-row blocks, nodes of 8
     assert merge(plan(8), 1, 132) == (0, 0)  # one split: nothing to merge
 
 
@@ -236,10 +245,12 @@ def test_merge_tree_scratch():
     """The scratch holds every level of the merge tree: 9 splits at two a node leave 5, 3 and 2 partials above them
     (a program's counters, one a group: 5 + 3 + 2 + the root's 1, within the 2 · 9 it is given); the loop keeps one
     level and one counter a program (row block)."""
-    plan = D._Plan(3, 1, 4, 0, (), {"BLOCK_DV": 128, "HEAD_DIM_V": 100})
+    plan = D._Plan(3, 1, 4, 0, (), {"BLOCK_DV": 128, "HEAD_DIM_V": 100, "BLOCK_M": 16})
     assert D._scratch(plan, 9, 2) == (3 * (9 + 5 + 3 + 2) * 4 * 101, 3 * 2 * 9)
     assert D._scratch(plan, 9, 16) == (3 * 9 * 4 * 101, 3 * 2 * 9)  # a node past the splits: no upper level
-    assert D._scratch(D._Plan(3, 2, 80, 0, (), {"BLOCK_DV": 128, "HEAD_DIM_V": 100}), 9, 0) == (3 * 9 * 80 * 101, 6)
+    two_blocks = D._Plan(3, 2, 80, 0, (), {"BLOCK_DV": 128, "HEAD_DIM_V": 100, "BLOCK_M": 64})
+    assert D._scratch(two_blocks, 9, 0) == (3 * 9 * 80 * 101, 6)
+    assert D._scratch(two_blocks, 9, 16)[1] == 3 * 2 * 2 * 9  # a tree's counters for each row block
     with pytest.raises(ValueError, match="one partial"):  # a node of one partial would never reach the root
         D._scratch(plan, 4, 1)
 
@@ -303,7 +314,7 @@ def test_strided_lengths_and_block_table_are_read_as_views():
     b, hq, hkv, d, page = 2, 4, 2, 16, 16
     g = torch.Generator().manual_seed(12)
     pool = torch.randn(12, page, hkv, d, generator=g)
-    table = torch.randperm(12, generator=g).int().reshape(b, 6)[:, ::2].to(DEVICE)
+    table = torch.randperm(12, generator=g).int().reshape(b, 6).to(DEVICE)[:, ::2]  # .to would make it contiguous
     lens = torch.tensor([20, 99, 40, 99], dtype=torch.int32, device=DEVICE)[::2]
     q, k, v = (torch.randn(b, 1, h, d, generator=g).to(DEVICE) for h in (hq, hkv, hkv))
     assert not (table.is_contiguous() or lens.is_contiguous())
@@ -376,7 +387,12 @@ def test_split_heuristic():
     assert C.decode_splits(short, 2, 2048, sms, 16, 128) == 32  # 2 x 8 programs of 256 keys capped
     assert C.decode_splits(short, 1, 2048, sms, 8, 128) == 16  # 16 of 128 keys: the cap
     assert C.decode_splits(short, 4, 4096, sms, 7, 128) == 16  # 4 x 16 capped: the cap
-    assert C.decode_splits(short, 1, 8192, sms, 32, 128) == 128  # 32 rows: nodes of 4
+    assert C.decode_splits(short, 1, 8192, sms, 32, 128) == 64  # 32 rows: nodes of 4, three levels, not four
+    # a tree takes the largest split count of one level fewer where that adds at most DECODE_TREE_LEVEL_KEYS a chunk
+    assert C.decode_splits(LONG, 2, 131072, sms, 16, 128) == 64  # 66 by the fill: 3 levels of nodes of 8
+    assert C.decode_splits(LONG, 2, 32768, sms, 16, 128) == 64  # chunks of 512 keys, not 497
+    assert C.decode_splits(LONG, 4, 32768, sms, 16, 128) == 33  # 8 would add 3,072 keys
+    assert C.decode_splits(short, 1, 8192, sms, 16, 128) == 64  # 128 splits of 64 keys: 64 of 128
     assert C.decode_splits(short, 1, 8192, sms, 64, 128) == 2  # 64 rows: no tree, the cap
     assert C.decode_splits(C.DecodeConfig(64, 64, 4, 3), 8, 4096, sms, 4, 128) == 16  # one program per SM: no cap
 
@@ -389,13 +405,16 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
     monkeypatch.setattr(D, "_sm_count", lambda device: 132)
     monkeypatch.setattr(D, "decode_config", lambda d, dv, dtype, device_type, **kw: C.decode_config(
         d, dv, dtype, "cuda", **kw))
+    monkeypatch.setattr(D, "decode_block_m", lambda *args: C.decode_block_m(*args[:5], "cuda", args[6]))
     for b, hq, hkv, length, tile, splits in (
             (64, 32, 8, 131072, LONG, 1), (8, 32, 8, 32768, LONG, 2),
             (64, 32, 8, 4096, C.DecodeConfig(64, 64, 4, 2), 1),
             (1, 32, 8, 8192, LONG, 16), (1, 32, 8, 4096, SHORT, 32), (1, 32, 8, 1024, SHORT, 16),
             (1, 32, 32, 1024, SHORT, 8), (1, 32, 4, 2048, SHORT, 16),  # capped: chunks of 128 keys
             (1, 8, 2, 16384, SHORT, 128), (1, 28, 4, 8192, SHORT, 64),  # whole nodes of a merge tree (32, 16)
-            (1, 32, 1, 8192, SHORT, 128), (1, 32, 2, 8192, SHORT, 128),  # 32-row nodes of 4, 16-row nodes of 8
+            (1, 32, 1, 8192, dataclasses.replace(SHORT, block_m=16), 64),  # 32 rows as two 16-row blocks
+            (1, 32, 2, 8192, SHORT, 64),  # 16-row nodes of 8, two levels
+            (2, 32, 1, 32768, dataclasses.replace(LONG, block_m=16), 33),
             (2, 32, 8, 2048, C.DecodeConfig(64, 64, 4, 3), 8), (1, 64, 8, 4096, C.DecodeConfig(64, 64, 4, 3), 16)):
         q = torch.zeros(b, 1, hq, 128, dtype=torch.bfloat16)
         cache = torch.zeros(1, 1, hkv, 128, dtype=torch.bfloat16).expand(b, length, hkv, 128)
@@ -496,6 +515,17 @@ def test_decode_tiles():
         tile = C.decode_config(d, d, dtype, "cuda", batch_heads=512, max_seqlen_k=131072, num_sms=132)
         assert tile.balance and tile.block_n < 128
     assert C.decode_config(128, 128, torch.float32, "cuda", batch_heads=8, max_seqlen_k=4096, num_sms=132).block_n == 32
+
+
+def test_wide_groups_take_16_row_blocks():
+    """More than 16 and at most 32 packed rows a kv head, on a grid whose pairs times 16-row blocks fit the SMs: row
+    blocks of 16 (contiguous half-precision caches of head dims 65-128, as measured); the tables' 64 elsewhere."""
+    block_m = lambda rows, pairs, d=128, dtype=torch.bfloat16, device="cuda", paged=False: (  # noqa: E731
+        C.decode_block_m(rows, pairs, 132, d, dtype, device, paged))
+    assert block_m(32, 1) == block_m(17, 66) == block_m(32, 66) == 16  # Hq 32 / Hkv 1; 66 pairs x 2 = 132
+    assert block_m(16, 1) == block_m(33, 1) == block_m(32, 67) == 64  # one block; three blocks; past the SMs
+    assert block_m(32, 1, d=64) == block_m(32, 1, d=256) == block_m(32, 1, dtype=torch.float32) == 64
+    assert block_m(32, 1, device="cpu") == block_m(32, 1, paged=True) == 64
 
 
 def test_decode_tiles_paged():

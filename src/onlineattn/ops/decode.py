@@ -29,7 +29,7 @@ diagonal and the end of the sequence) the masked one; blocks no row sees are nev
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -38,8 +38,8 @@ import triton.language as tl
 from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
                       packed_rows, page_and_slot, row_tile)
-from ._configs import (INTERPRETER_SMS, DecodeConfig, decode_config, decode_splits, merge_at_once_splits,
-                       merge_tree_node)
+from ._configs import (INTERPRETER_SMS, DecodeConfig, decode_block_m, decode_config, decode_splits,
+                       merge_at_once_splits, merge_tree_node)
 from ._launch import bounded_put, cdiv, next_power_of_2, prepare
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
 
@@ -90,16 +90,17 @@ def _merge_splits(p_o, p_lse, split_stride_o, split_stride_lse, num_splits, m_r,
 
 
 @triton.jit
-def _merge_splits_at_once(P_O, P_LSE, first, rows, num_splits, o_dv, m_dv, SPLITS: tl.constexpr, ROWS: tl.constexpr,
-                          HEAD_DIM_V: tl.constexpr):
-    """Merge the ``num_splits`` partial states of one program's ``rows`` (≤ ROWS) packed rows with one load of all
-    of them (``[ROWS, SPLITS, BLOCK_DV]``, the splits padded to a power of two): one L2 round trip, where the loop of
+def _merge_splits_at_once(P_O, P_LSE, first, row0, rows, num_splits, o_dv, m_dv, SPLITS: tl.constexpr,
+                          ROWS: tl.constexpr, HEAD_DIM_V: tl.constexpr):
+    """Merge the ``num_splits`` partial states of packed rows ``[row0, row0 + ROWS)`` (of ``rows``: one row block's)
+    with one load of all of them (``[ROWS, SPLITS, BLOCK_DV]``, the splits padded to a power of two): one L2 round
+    trip, where the loop of
     ``_merge_splits`` takes one per pipeline depth. The same weights, ``exp(lse_s − max lse)``, summed over the
     splits in a fixed tree order (deterministic; a single non-empty split comes back bit for bit). Rows lead the
     load so that Triton spreads the warps over the rows and each thread sums its splits in registers; with the splits
     leading, one split a warp, the sum crossed the warps through shared memory (NOTES v37: 61 barriers and 254
     registers for 32 rows, against 43 and 209)."""
-    o_r = tl.arange(0, ROWS)[:, None]
+    o_r = row0 + tl.arange(0, ROWS)[:, None]
     o_s = tl.arange(0, SPLITS)[None, :]
     part = (first + o_s) * rows + o_r  # [ROWS, SPLITS] partial rows, int64
     ok = (o_s < num_splits) & (o_r < rows)
@@ -113,10 +114,11 @@ def _merge_splits_at_once(P_O, P_LSE, first, rows, num_splits, o_dv, m_dv, SPLIT
 
 
 @triton.jit
-def _merge_tree(WORK, COUNTS, O, LSE, off_b, off_hkv, pid_bh, grid_bh, split, num_splits, seqlen_q, rows, o_dv, m_dv,
-                GROUP: tl.constexpr, HEADS_Q: tl.constexpr, HEAD_DIM_V: tl.constexpr, SPLITS: tl.constexpr,
-                ROWS: tl.constexpr, STORE_LSE: tl.constexpr):
-    """Split ``split`` has stored its partial state: merge the program's ``num_splits`` partials as a tree of
+def _merge_tree(WORK, COUNTS, O, LSE, off_b, off_hkv, pid_bh, grid_bh, pid_m, row0, split, num_splits, seqlen_q, rows,
+                o_dv, m_dv, GROUP: tl.constexpr, HEADS_Q: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                SPLITS: tl.constexpr, ROWS: tl.constexpr, STORE_LSE: tl.constexpr):
+    """Split ``split`` of row block ``pid_m`` (packed rows ``[row0, row0 + ROWS)``) has stored its partial state:
+    merge the program's ``num_splits`` partials as a tree of
     ``SPLITS`` (≥ 2) partials a node, each node one load of all its members (``_merge_splits_at_once``). The last of
     a group to arrive merges the group and stores the result as a partial of the next level (or, at the root, as o
     and lse), then counts itself in there. So the merge after the last split is ⌈log_SPLITS(num_splits)⌉ loads and
@@ -124,14 +126,15 @@ def _merge_tree(WORK, COUNTS, O, LSE, off_b, off_hkv, pid_bh, grid_bh, split, nu
 
     Level ``l`` holds ``n_l`` partials a program (``n_0 = num_splits``, ``n_{l+1} = ⌈n_l / SPLITS⌉``) as o
     ``[grid_bh, n_l, rows, Dv]`` then lse ``[grid_bh, n_l, rows]``, level after level in WORK; the program's group
-    counters follow each other in ``COUNTS[pid_bh · 2 · num_splits:]`` (fewer than 2 · num_splits in all). Groups
+    counters follow each other in ``COUNTS[(pid_bh · row blocks + pid_m) · 2 · num_splits:]`` (fewer than 2 ·
+    num_splits in all). Groups
     and the order within a node are fixed, so the result does not depend on the arrival order (a single non-empty
     split comes back bit for bit)."""
     tl.static_assert(SPLITS >= 2, "a merge-tree node of one partial never reaches the root")
-    o_r = tl.arange(0, ROWS)
-    w_i, w_h, w_r = packed_rows(0, off_hkv, seqlen_q, ROWS, GROUP)
+    o_r = row0 + tl.arange(0, ROWS)
+    w_i, w_h, w_r = packed_rows(row0, off_hkv, seqlen_q, ROWS, GROUP)
     level = WORK
-    counts = COUNTS + pid_bh.to(tl.int64) * 2 * num_splits
+    counts = COUNTS + (pid_bh.to(tl.int64) * tl.num_programs(1) + pid_m) * 2 * num_splits
     node = split
     n = num_splits
     go = split >= 0
@@ -145,8 +148,8 @@ def _merge_tree(WORK, COUNTS, O, LSE, off_b, off_hkv, pid_bh, grid_bh, split, nu
         if go:
             tl.store(counts + group, 0)  # ready for the next launch that uses this workspace
             lse_level = level + grid_bh.to(tl.int64) * n * rows * HEAD_DIM_V
-            w_o, w_lse = _merge_splits_at_once(level, lse_level, pid_bh.to(tl.int64) * n + group * SPLITS, rows,
-                                               members, o_dv, m_dv, SPLITS, ROWS, HEAD_DIM_V)
+            w_o, w_lse = _merge_splits_at_once(level, lse_level, pid_bh.to(tl.int64) * n + group * SPLITS, row0,
+                                               rows, members, o_dv, m_dv, SPLITS, ROWS, HEAD_DIM_V)
             if n <= SPLITS:  # the root
                 _store_state(O, LSE, w_o, w_lse, off_b, w_i, w_h, w_r, o_dv, m_dv, seqlen_q, HEADS_Q, HEAD_DIM_V,
                              STORE_LSE)
@@ -239,11 +242,16 @@ def decode_kernel(
         p_lse = lse_parts + first * rows + o_r
         tl.store(p_o + split * rows * HEAD_DIM_V, b_o, mask=m_r[:, None] & m_dv[None, :])
         tl.store(p_lse + split * rows, b_lse, mask=m_r)
-        # The tree's counters are per (sequence, kv head), not per row block: the launcher takes it only with one
-        # row block (_merge_at_once).
-        if MERGE_TREE:  # one row block, more partials than one load holds: a tree of at-once merges
-            _merge_tree(WORK, COUNTS, O, LSE, off_b, off_hkv, pid_bh, tl.num_programs(0), split, num_splits, seqlen_q,
-                        rows, o_dv, m_dv, GROUP, HEADS_KV * GROUP, HEAD_DIM_V, MERGE_SPLITS, MERGE_ROWS, STORE_LSE)
+        # A row block's merge covers its own rows, MERGE_ROWS of them: BLOCK_M, or fewer where one block holds all
+        # (row 0 on, known when compiling: a runtime offset there read 7.7 -> 8.6 us at Hq 32 / Hkv 8, B = 1, 4k).
+        if MERGE_ROWS == BLOCK_M:
+            merge_row0 = pid_m * MERGE_ROWS
+        else:
+            merge_row0 = 0
+        if MERGE_TREE:  # more partials than one load holds: a tree of at-once merges
+            _merge_tree(WORK, COUNTS, O, LSE, off_b, off_hkv, pid_bh, tl.num_programs(0), pid_m, merge_row0, split,
+                        num_splits, seqlen_q, rows, o_dv, m_dv, GROUP, HEADS_KV * GROUP, HEAD_DIM_V, MERGE_SPLITS,
+                        MERGE_ROWS, STORE_LSE)
         else:
             # The last of the program's splits to finish merges them all. The barrier puts every thread's stores
             # before the counter's release; the acquire side orders the merge's loads after the other splits'.
@@ -252,10 +260,10 @@ def decode_kernel(
             if tl.atomic_add(p_count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
                 tl.store(p_count, 0)  # ready for the next launch that uses this workspace
                 # New names for the merged rows: the at-once merge's tile has MERGE_ROWS rows, not BLOCK_M.
-                if MERGE_SPLITS > 0:  # the program's rows are all the rows (one row block): one load of every partial
-                    w_o, w_lse = _merge_splits_at_once(WORK, lse_parts, first, rows, num_splits, o_dv, m_dv,
-                                                       MERGE_SPLITS, MERGE_ROWS, HEAD_DIM_V)
-                    w_i, w_h, w_r = packed_rows(0, off_hkv, seqlen_q, MERGE_ROWS, GROUP)
+                if MERGE_SPLITS > 0:  # one load of every partial of the row block's rows
+                    w_o, w_lse = _merge_splits_at_once(WORK, lse_parts, first, merge_row0, rows, num_splits, o_dv,
+                                                       m_dv, MERGE_SPLITS, MERGE_ROWS, HEAD_DIM_V)
+                    w_i, w_h, w_r = packed_rows(merge_row0, off_hkv, seqlen_q, MERGE_ROWS, GROUP)
                 else:
                     w_o, w_lse = _merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M,
                                                BLOCK_DV, MERGE_STAGES)
@@ -284,7 +292,7 @@ def _sm_count(device: torch.device) -> int:
 # packed rows: up to ~100 KiB more, halving the programs per SM) keep the plain loop, unmeasured either way.
 MERGE_STAGES = 4
 MERGE_PIPELINE_MAX_ELEMENTS = 16 * 128
-# Where a program's packed rows are all the rows (one row block), every split's partials fit in registers at once
+# Where every split's partials of a program's packed rows (its row block's) fit in registers at once
 # (_configs.merge_at_once_splits) and the grid has at most the tile's programs per SM, the merging split loads them in
 # one go (_merge_splits_at_once) instead of looping over the splits. NOTES v19 (graph-timed, d = 128, Hq 32, Hkv 8):
 # B = 1, L = 4k 11.2 -> 10.0 us, L = 32k 40.1 -> 38.5 us; over fuller grids it tied or lost (B = 16, L = 32k: 2
@@ -301,6 +309,11 @@ class _Plan:
     capacity: int  # most keys one sequence can hold
     strides: tuple  # q, k_cache, v_cache and block-table strides, in the kernel's order
     constexprs: dict
+
+    @property
+    def block_rows(self) -> int:
+        """Packed rows a program (row block) holds: its merge's rows."""
+        return min(self.rows, self.constexprs["BLOCK_M"])
 
 
 def _make_plan(q, k_cache, v_cache, block_table, cfg: DecodeConfig, causal: bool) -> _Plan:
@@ -448,22 +461,23 @@ def _merge_at_once(plan: _Plan, splits: int, slots: int) -> dict:
     two, where the merging split loads every partial at once (``merge_at_once_splits``), or, past what one load
     holds, where the merge runs as a tree of such loads (``_merge_tree``, nodes of ``merge_tree_node``; MERGE_TREE:
     the tree's own code, which read 0.3-0.7 us slower than the one load where one node would do, NOTES v37);
-    elsewhere 0, 0 and False (the pipelined loop of one merging split; one build serves every row count). Only
-    where the rows are in one row block and the grid has at most ``slots`` programs (SMs times the tile's programs
-    per SM): there the merge after the last split is the launch's critical path. Over fuller grids the loop stays
-    (NOTES v19: at B = 16, L = 32k with 8 splits the merge at once read 511-518 us against the loop's 490)."""
-    padded, width = next_power_of_2(splits), plan.constexprs["BLOCK_DV"]
-    node = padded if padded <= merge_at_once_splits(plan.rows, width) else merge_tree_node(plan.rows, width)
+    elsewhere 0, 0 and False (the pipelined loop of one merging split; one build serves every row count). Each row
+    block merges its own rows (``_Plan.block_rows``). Only where the grid has at most ``slots`` programs (SMs times
+    the tile's programs per SM): there the merge after the last split is the launch's critical path. Over fuller
+    grids the loop stays (NOTES v19: at B = 16, L = 32k with 8 splits the merge at once read 511-518 us against the
+    loop's 490)."""
+    padded, width, rows = next_power_of_2(splits), plan.constexprs["BLOCK_DV"], plan.block_rows
+    node = padded if padded <= merge_at_once_splits(rows, width) else merge_tree_node(rows, width)
     fits = plan.grid_bh * plan.row_blocks * splits <= slots
-    if not (splits > 1 and plan.row_blocks == 1 and fits and node):
+    if not (splits > 1 and fits and node):
         return {"MERGE_SPLITS": 0, "MERGE_ROWS": 0, "MERGE_TREE": False}
-    return {"MERGE_SPLITS": node, "MERGE_ROWS": next_power_of_2(plan.rows), "MERGE_TREE": node < padded}
+    return {"MERGE_SPLITS": node, "MERGE_ROWS": next_power_of_2(rows), "MERGE_TREE": node < padded}
 
 
 def _scratch(plan: _Plan, splits: int, node: int) -> tuple[int, int]:
     """Split scratch a launch needs, ``(float32 values, int32 counters)``: every split's partial (o and lse of the
     packed rows), and for a merge tree of ``node`` partials a node (``_merge_tree``) its upper levels' partials and
-    up to ``2 · splits`` counters a program; otherwise (``node`` 0) one counter a program (row block)."""
+    up to ``2 · splits`` counters a program (row block); otherwise (``node`` 0) one counter a program."""
     if node == 1:
         raise ValueError("a merge-tree node of one partial never reaches the root")
     partials = splits
@@ -472,7 +486,7 @@ def _scratch(plan: _Plan, splits: int, node: int) -> tuple[int, int]:
         while n > node:
             n = cdiv(n, node)
             partials += n
-    counters = plan.grid_bh * (2 * splits if node else plan.row_blocks)
+    counters = plan.grid_bh * plan.row_blocks * (2 * splits if node else 1)
     return plan.grid_bh * partials * plan.rows * (plan.constexprs["HEAD_DIM_V"] + 1), counters
 
 
@@ -498,13 +512,16 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     sms = _sm_count(q.device)
     if config is None:  # programs per split: (sequence, kv head) pairs times row blocks (64 rows in every table)
-        programs = b * hkv * cdiv(sq * (hq // hkv), 64)
+        paged = block_table is not None
+        block_m = decode_block_m(sq * (hq // hkv), b * hkv, sms, max(d, dv), q.dtype, q.device.type, paged)
+        programs = b * hkv * cdiv(sq * (hq // hkv), block_m)
         config = decode_config(d, dv, q.dtype, q.device.type, batch_heads=programs, max_seqlen_k=longest,
-                               num_sms=sms, num_splits=num_splits, paged=block_table is not None, rows=b * sq * hq)
+                               num_sms=sms, num_splits=num_splits, paged=paged, rows=b * sq * hq)
+        config = config if block_m == 64 else replace(config, block_m=block_m)  # the wide groups' row blocks
     plan = step.plans.get(config)
     if plan is None:
         plan = step.plans[config] = _make_plan(q, k_cache, v_cache, block_table, config, causal)
-    splits = num_splits or decode_splits(config, plan.grid_bh * plan.row_blocks, longest, sms, plan.rows,
+    splits = num_splits or decode_splits(config, plan.grid_bh * plan.row_blocks, longest, sms, plan.block_rows,
                                          plan.constexprs["BLOCK_DV"])
     splits = max(1, min(splits, cdiv(longest, config.block_n)))  # more would only add empty chunks
     merge = _merge_at_once(plan, splits, sms * config.per_sm)
