@@ -163,6 +163,23 @@ def test_without_new_tokens_the_cache_is_only_read():
            *R.torch_math_attention(q[:, -2:], k, v, causal=True), torch.float16)
 
 
+def _splits_outermost(monkeypatch):
+    """Triton's interpreter runs a grid with its last axis innermost, so one row block's splits would all finish
+    before the next block's start; remapped (a bijection of the program ids), the row blocks of one (sequence, kv
+    head) interleave their splits, as on a GPU, and sharing a counter or a partial row between them shows."""
+    from triton.runtime import interpreter
+
+    builder = type(interpreter.interpreter_builder)
+    set_grid_idx = builder.set_grid_idx
+
+    def remapped(self, x, y, z):
+        gx, gy, gz = self.grid_dim
+        z2, rest = divmod((x * gy + y) * gz + z, gx * gy)
+        return set_grid_idx(self, rest % gx, rest // gx, z2)
+
+    monkeypatch.setattr(builder, "set_grid_idx", remapped)
+
+
 @pytest.mark.parametrize("merge", ["at-once", "tree", "loop"])
 @pytest.mark.parametrize("sq,hq,hkv", [(2, 4, 2), (1, 2, 2), (3, 6, 2), (5, 8, 1)],
                          ids=["4-rows", "1-row", "9-of-16-rows", "40-rows-in-16-row-blocks"])
@@ -182,6 +199,8 @@ def test_every_split_is_written_poisoned_outputs(num_splits, sq, hq, hkv, merge,
     monkeypatch.setattr(D, "_WORKSPACES", {})
     monkeypatch.setattr(D, "_STEPS", {})  # no launch kept from another case: each case chooses its merge afresh
     monkeypatch.setattr(D, "_workspace", poisoned)
+    if DEVICE == "cpu":
+        _splits_outermost(monkeypatch)
     b, d = 2, 16
     tile = C.decode_config(d, d, torch.float32, DEVICE)
     tile = dataclasses.replace(tile, block_m=16) if sq * hq // hkv > 16 else tile
@@ -233,10 +252,9 @@ def test_merge_at_once_only_where_the_grid_fits_the_sms():
     assert merge(plan(1, rows=32), 128, 132) == (4, 32)  # 32-row nodes of 4 partials
     assert merge(plan(1, rows=64), 128, 132) == (0, 0)  # past MERGE_TREE_MAX_ROWS rows: the loop
     assert merge(plan(1, rows=64), 2, 132) == (2, 64)  # ... unless every partial fits one load
-    assert merge(plan(8, rows=128), 4, 132) == (0, 0)  # one partial a node: no tree
+    assert merge(plan(8, rows=128, block_m=128), 4, 132) == (0, 0)  # one partial a load: no tree
     assert merge(plan(8), 32, 264) == (32, 4)  # the short-cache tile: two programs per SM (slots = 2 x SMs)
-    assert merge(plan(8, row_blocks=2, rows=80), 4, 132) == (0, 0)  # rows in two blocks of 64: one partial fits
-    assert merge(plan(8, row_blocks=2, rows=80), 2, 132) == (2, 64)  # ... two do
+    assert merge(plan(8, row_blocks=2, rows=80), 2, 132) == (0, 0)  # several blocks of 64 rows: the loop
     assert merge(plan(1, row_blocks=2, rows=32, block_m=16), 64, 132) == (8, 16)  # 16-row blocks, nodes of 8
     assert merge(plan(8), 1, 132) == (0, 0)  # one split: nothing to merge
 
@@ -390,8 +408,8 @@ def test_split_heuristic():
     assert C.decode_splits(short, 1, 8192, sms, 32, 128) == 64  # 32 rows: nodes of 4, three levels, not four
     # a tree takes the largest split count of one level fewer where that adds at most DECODE_TREE_LEVEL_KEYS a chunk
     assert C.decode_splits(LONG, 2, 131072, sms, 16, 128) == 64  # 66 by the fill: 3 levels of nodes of 8
-    assert C.decode_splits(LONG, 2, 32768, sms, 16, 128) == 64  # chunks of 512 keys, not 497
-    assert C.decode_splits(LONG, 4, 32768, sms, 16, 128) == 33  # 8 would add 3,072 keys
+    assert C.decode_splits(LONG, 1, 4481, sms, 16, 128) == 9  # 8 would add 63 keys, but a whole 128-key block
+    assert C.decode_splits(LONG, 4, 32768, sms, 16, 128) == 33  # 8 would add 3,072 keys (whole blocks)
     assert C.decode_splits(short, 1, 8192, sms, 16, 128) == 64  # 128 splits of 64 keys: 64 of 128
     assert C.decode_splits(short, 1, 8192, sms, 64, 128) == 2  # 64 rows: no tree, the cap
     assert C.decode_splits(C.DecodeConfig(64, 64, 4, 3), 8, 4096, sms, 4, 128) == 16  # one program per SM: no cap
@@ -405,7 +423,7 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
     monkeypatch.setattr(D, "_sm_count", lambda device: 132)
     monkeypatch.setattr(D, "decode_config", lambda d, dv, dtype, device_type, **kw: C.decode_config(
         d, dv, dtype, "cuda", **kw))
-    monkeypatch.setattr(D, "decode_block_m", lambda *args: C.decode_block_m(*args[:5], "cuda", args[6]))
+    monkeypatch.setattr(D, "decode_block_m", lambda *args: C.decode_block_m(*args[:6], "cuda", *args[7:]))
     for b, hq, hkv, length, tile, splits in (
             (64, 32, 8, 131072, LONG, 1), (8, 32, 8, 32768, LONG, 2),
             (64, 32, 8, 4096, C.DecodeConfig(64, 64, 4, 2), 1),
@@ -518,12 +536,14 @@ def test_decode_tiles():
 
 
 def test_wide_groups_take_16_row_blocks():
-    """More than 16 and at most 32 packed rows a kv head, on a grid whose pairs times 16-row blocks fit the SMs: row
-    blocks of 16 (contiguous half-precision caches of head dims 65-128, as measured); the tables' 64 elsewhere."""
-    block_m = lambda rows, pairs, d=128, dtype=torch.bfloat16, device="cuda", paged=False: (  # noqa: E731
-        C.decode_block_m(rows, pairs, 132, d, dtype, device, paged))
-    assert block_m(32, 1) == block_m(17, 66) == block_m(32, 66) == 16  # Hq 32 / Hkv 1; 66 pairs x 2 = 132
-    assert block_m(16, 1) == block_m(33, 1) == block_m(32, 67) == 64  # one block; three blocks; past the SMs
+    """One query token of a GQA group of 17-32 heads, over at most 4 (sequence, kv head) pairs with automatic splits:
+    row blocks of 16 (contiguous half-precision caches of head dims 65-128, as measured); the tables' 64 elsewhere."""
+    def block_m(group, pairs, sq=1, d=128, dtype=torch.bfloat16, device="cuda", paged=False, splits=0):
+        return C.decode_block_m(sq, group, pairs, 132, d, dtype, device, paged, splits)
+
+    assert block_m(32, 1) == block_m(17, 4) == block_m(32, 4) == 16  # Hq 32 / Hkv 1 at B = 1 or 4
+    assert block_m(16, 1) == block_m(33, 1) == block_m(32, 5) == 64  # one block; three blocks; more pairs
+    assert block_m(32, 1, sq=2) == block_m(16, 1, sq=2) == block_m(32, 1, splits=64) == 64  # untimed
     assert block_m(32, 1, d=64) == block_m(32, 1, d=256) == block_m(32, 1, dtype=torch.float32) == 64
     assert block_m(32, 1, device="cpu") == block_m(32, 1, paged=True) == 64
 

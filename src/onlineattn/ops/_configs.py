@@ -724,23 +724,26 @@ _DECODE_FP32 = {16: DecodeConfig(32, 64, 4, 2), 32: DecodeConfig(32, 64, 4, 2), 
                 128: DecodeConfig(32, 64, 4, 2), 256: DecodeConfig(16, 32, 4, 1)}
 
 
-# Wide GQA groups: more than DECODE_WIDE_ROWS (and at most twice as many) packed rows a kv head, on a grid whose
-# (sequence, kv head) pairs times such row blocks fit the SMs once, run as row blocks of DECODE_WIDE_ROWS rows. Both
-# blocks of a pair read the same keys (the second read mostly from L2, the two programs launched side by side); each
-# merges its own 16 rows, in tree nodes of 8 partials where 32 rows took 4, so in fewer levels, and computes half
-# the rows a key. NOTES v39 (graph-timed, one query token, d = 128, bf16; Hq / Hkv, B, L: 32 rows in one block ->
-# 16-row blocks with the tables' choice, SDPA's default; us): 32 / 1, 2, 32k 21.7 -> 18.7 (17.1); 32 / 1, 1, 8k 12.7
-# -> 8.5 (9.0); 64 / 2, 1, 16k 15.1 -> 13.9 (12.6); 32 / 1, 4, 16k 19.5 -> 18.4 (16.4); 32 / 1, 1, 128k 31.0 ->
-# 30.3 (29.2-31.7). Contiguous half-precision caches of head dims 65-128 only (others unmeasured).
+# Wide GQA groups: one query token, more than DECODE_WIDE_ROWS (and at most twice as many) query heads a kv head and
+# at most DECODE_WIDE_MAX_PAIRS (sequence, kv head) pairs, with automatic splits: row blocks of DECODE_WIDE_ROWS rows.
+# Both blocks of a pair read the same keys (the second read mostly from L2, the two programs launched side by side);
+# each merges its own 16 rows, in tree nodes of 8 partials where 32 rows took 4, so in fewer levels, and computes
+# half the rows a key. NOTES v39 (graph-timed, d = 128, bf16; Hq / Hkv, B, L: 32 rows in one block -> 16-row blocks
+# with the tables' choice, SDPA's default; us): 32 / 1, 2, 32k 21.5-21.6 -> 18.7-18.8 (16.8-17.3); 32 / 1, 1, 8k
+# 12.7-12.9 -> 8.5-8.6 (8.9-9.0); 64 / 2, 1, 16k 15.1-15.3 -> 13.9-14.0 (12.6); 32 / 1, 4, 16k 19.7-19.8 -> 18.4
+# (15.9-16.1); 32 / 1, 1, 128k 31.2-31.3 -> 30.5-30.7 (29.4). Measured over 1-4 pairs, for contiguous
+# half-precision caches of head dims 65-128; more query tokens, more pairs and other caches keep 64-row blocks.
 DECODE_WIDE_ROWS = 16
+DECODE_WIDE_MAX_PAIRS = 4
 
 
-def decode_block_m(rows: int, pairs: int, num_sms: int, head_dim: int, dtype: torch.dtype, device_type: str,
-                   paged: bool) -> int:
-    """Packed rows a decode program holds for ``rows`` packed rows a kv head (Sq · group) over ``pairs`` (sequence,
-    kv head) pairs: DECODE_WIDE_ROWS for the wide groups above, else the tables' 64."""
-    wide = DECODE_WIDE_ROWS < rows <= 2 * DECODE_WIDE_ROWS and pairs * -(-rows // DECODE_WIDE_ROWS) <= num_sms
-    if wide and device_type == "cuda" and not paged and dtype != torch.float32 and _padded(head_dim) == 128:
+def decode_block_m(sq: int, group: int, pairs: int, num_sms: int, head_dim: int, dtype: torch.dtype,
+                   device_type: str, paged: bool, num_splits: int) -> int:
+    """Packed rows a decode program holds for ``sq`` query tokens of a GQA ``group`` over ``pairs`` (sequence, kv
+    head) pairs and ``num_splits`` (0: automatic): DECODE_WIDE_ROWS for the wide groups above, else the tables' 64."""
+    wide = sq == 1 and DECODE_WIDE_ROWS < group <= 2 * DECODE_WIDE_ROWS and pairs <= DECODE_WIDE_MAX_PAIRS
+    if (wide and not num_splits and device_type == "cuda" and not paged and dtype != torch.float32
+            and _padded(head_dim) == 128 and 2 * pairs <= num_sms):
         return DECODE_WIDE_ROWS
     return 64
 
@@ -831,27 +834,30 @@ def decode_splits(tile: DecodeConfig, programs: int, max_seqlen_k: int, num_sms:
         splits -= splits % held  # a tree of whole nodes
     node = merge_tree_node(rows, head_dim_v)
     if node and merge_at_once_splits(rows, head_dim_v) < splits and programs * splits <= tile.per_sm * num_sms:
-        return _tree_levels(splits, node, max_seqlen_k)
+        return _tree_levels(splits, node, max_seqlen_k, tile.block_n)
     return splits
 
 
 # A merge tree of ``node`` partials a node merges ``splits`` of them in ⌈log_node(splits)⌉ levels, one load and one
 # atomic each on the launch's critical path (~2.3 us a level at d = 128: NOTES v39, Hq / Hkv 4 to 32 over one kv
 # head). Where the largest split count of one level fewer (a power of the node) adds at most DECODE_TREE_LEVEL_KEYS
-# keys to each chunk, it takes that count (NOTES v39, graph-timed, one query token, 16-row blocks (DECODE_WIDE_ROWS):
-# Hq 32 / Hkv 1, B = 1, L = 8k 128 splits (chunks of 64 keys, three levels) 10.5 us -> 64 (128 keys, two) 8.5;
-# L = 128k 66 splits 32.4 -> 64 30.3). Cutting more keys than that lost where the chunks stay short (NOTES v38: Hq 8
-# / Hkv 1, B = 1, L = 4k 64 splits of 64 keys in two levels 7.1 against 16 of 256 at once 8.2).
+# keys to each chunk (chunks counted in whole key blocks, as the kernel cuts them), it takes that count (NOTES v39,
+# graph-timed, one query token, 16-row blocks (DECODE_WIDE_ROWS): Hq 32 / Hkv 1, B = 1, L = 8k 128 splits (chunks of
+# 64 keys, three levels) 10.5 us -> 64 (128 keys, two) 8.5; L = 128k 66 splits 32.4 -> 64 30.3; the A/B: Hq 32 /
+# Hkv 2, B = 1, 8k 10.8 -> 8.9, 64k 26.8-27.3 -> 25.0-25.1). Cutting more keys than that lost where the chunks stay
+# short (NOTES v38: Hq 8 / Hkv 1, B = 1, L = 4k 64 splits of 64 keys in two levels 7.1 against 16 of 256 at once
+# 8.2).
 DECODE_TREE_LEVEL_KEYS = 64
 
 
-def _tree_levels(splits: int, node: int, max_seqlen_k: int) -> int:
+def _tree_levels(splits: int, node: int, max_seqlen_k: int, block_n: int) -> int:
     """``splits``, or the largest count of one merge-tree level fewer where that adds at most DECODE_TREE_LEVEL_KEYS
-    keys to each chunk."""
+    keys to each chunk of whole ``block_n``-key blocks."""
     fewer = 1
     while fewer * node < splits:
         fewer *= node
-    if fewer > 1 and -(-max_seqlen_k // fewer) - -(-max_seqlen_k // splits) <= DECODE_TREE_LEVEL_KEYS:
+    chunk = lambda n: -(-(-(-max_seqlen_k // n)) // block_n) * block_n  # noqa: E731 (the kernel's chunk)
+    if fewer > 1 and chunk(fewer) - chunk(splits) <= DECODE_TREE_LEVEL_KEYS:
         return fewer
     return splits
 

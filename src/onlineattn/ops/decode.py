@@ -5,9 +5,10 @@ Read top-down: the kernel and its helpers, then the launcher (append the new tok
 Decoding reads every cached K/V byte once per step and does little arithmetic on it, so the kernel is built to keep
 the memory system busy:
 
-- GQA packing. A program owns one (sequence, kv head) and all the query rows of its group: row ``r`` is query token
-  ``r // GROUP`` of head ``kv_head · GROUP + r % GROUP`` (as in ``forward.py``), so K and V are read once for the
-  whole group. With many query tokens (chunked prefill) rows beyond ``BLOCK_M`` run as further programs.
+- GQA packing. A program owns one (sequence, kv head) and the query rows of its group: row ``r`` is query token
+  ``r // GROUP`` of head ``kv_head · GROUP + r % GROUP`` (as in ``forward.py``), so K and V are read once for up
+  to ``BLOCK_M`` rows. With many query tokens (chunked prefill) rows beyond ``BLOCK_M`` run as further programs (row
+  blocks), as do wide groups on sparse grids (``_configs.decode_block_m``: 16-row blocks reading the same keys).
 - Split-KV. With few (sequence, kv head) pairs there are too few programs to fill the GPU, so the key range of each
   sequence is cut into ``num_splits`` chunks processed in parallel. Each writes a float32 partial state into a
   scratch buffer and counts itself in with an atomic; the last split of a program to arrive merges all of them, in
@@ -38,7 +39,7 @@ import triton.language as tl
 from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
                       packed_rows, page_and_slot, row_tile)
-from ._configs import (INTERPRETER_SMS, DecodeConfig, decode_block_m, decode_config, decode_splits,
+from ._configs import (DECODE_WIDE_ROWS, INTERPRETER_SMS, DecodeConfig, decode_block_m, decode_config, decode_splits,
                        merge_at_once_splits, merge_tree_node)
 from ._launch import bounded_put, cdiv, next_power_of_2, prepare
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
@@ -94,12 +95,11 @@ def _merge_splits_at_once(P_O, P_LSE, first, row0, rows, num_splits, o_dv, m_dv,
                           ROWS: tl.constexpr, HEAD_DIM_V: tl.constexpr):
     """Merge the ``num_splits`` partial states of packed rows ``[row0, row0 + ROWS)`` (of ``rows``: one row block's)
     with one load of all of them (``[ROWS, SPLITS, BLOCK_DV]``, the splits padded to a power of two): one L2 round
-    trip, where the loop of
-    ``_merge_splits`` takes one per pipeline depth. The same weights, ``exp(lse_s − max lse)``, summed over the
-    splits in a fixed tree order (deterministic; a single non-empty split comes back bit for bit). Rows lead the
-    load so that Triton spreads the warps over the rows and each thread sums its splits in registers; with the splits
-    leading, one split a warp, the sum crossed the warps through shared memory (NOTES v37: 61 barriers and 254
-    registers for 32 rows, against 43 and 209)."""
+    trip, where the loop of ``_merge_splits`` takes one per pipeline depth. The same weights, ``exp(lse_s − max
+    lse)``, summed over the splits in a fixed tree order (deterministic; a single non-empty split comes back bit for
+    bit). Rows lead the load so that Triton spreads the warps over the rows and each thread sums its splits in
+    registers; with the splits leading, one split a warp, the sum crossed the warps through shared memory (NOTES
+    v37: 61 barriers and 254 registers for 32 rows, against 43 and 209)."""
     o_r = row0 + tl.arange(0, ROWS)[:, None]
     o_s = tl.arange(0, SPLITS)[None, :]
     part = (first + o_s) * rows + o_r  # [ROWS, SPLITS] partial rows, int64
@@ -118,18 +118,17 @@ def _merge_tree(WORK, COUNTS, O, LSE, off_b, off_hkv, pid_bh, grid_bh, pid_m, ro
                 o_dv, m_dv, GROUP: tl.constexpr, HEADS_Q: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 SPLITS: tl.constexpr, ROWS: tl.constexpr, STORE_LSE: tl.constexpr):
     """Split ``split`` of row block ``pid_m`` (packed rows ``[row0, row0 + ROWS)``) has stored its partial state:
-    merge the program's ``num_splits`` partials as a tree of
-    ``SPLITS`` (≥ 2) partials a node, each node one load of all its members (``_merge_splits_at_once``). The last of
-    a group to arrive merges the group and stores the result as a partial of the next level (or, at the root, as o
-    and lse), then counts itself in there. So the merge after the last split is ⌈log_SPLITS(num_splits)⌉ loads and
-    atomics, where one program looping over the splits takes one L2 round trip per split and pipeline depth.
+    merge the program's ``num_splits`` partials as a tree of ``SPLITS`` (≥ 2) partials a node, each node one load of
+    all its members (``_merge_splits_at_once``). The last of a group to arrive merges the group and stores the result
+    as a partial of the next level (or, at the root, as o and lse), then counts itself in there. So the merge after
+    the last split is ⌈log_SPLITS(num_splits)⌉ loads and atomics, where one program looping over the splits takes
+    one L2 round trip per split and pipeline depth.
 
     Level ``l`` holds ``n_l`` partials a program (``n_0 = num_splits``, ``n_{l+1} = ⌈n_l / SPLITS⌉``) as o
-    ``[grid_bh, n_l, rows, Dv]`` then lse ``[grid_bh, n_l, rows]``, level after level in WORK; the program's group
-    counters follow each other in ``COUNTS[(pid_bh · row blocks + pid_m) · 2 · num_splits:]`` (fewer than 2 ·
-    num_splits in all). Groups
-    and the order within a node are fixed, so the result does not depend on the arrival order (a single non-empty
-    split comes back bit for bit)."""
+    ``[grid_bh, n_l, rows, Dv]`` then lse ``[grid_bh, n_l, rows]``, level after level in WORK, each row block
+    writing and reading its own rows; the program's group counters follow each other in ``COUNTS[(pid_bh · row
+    blocks + pid_m) · 2 · num_splits:]`` (fewer than 2 · num_splits in all). Groups and the order within a node are
+    fixed, so the result does not depend on the arrival order (a single non-empty split comes back bit for bit)."""
     tl.static_assert(SPLITS >= 2, "a merge-tree node of one partial never reaches the root")
     o_r = row0 + tl.arange(0, ROWS)
     w_i, w_h, w_r = packed_rows(row0, off_hkv, seqlen_q, ROWS, GROUP)
@@ -462,14 +461,15 @@ def _merge_at_once(plan: _Plan, splits: int, slots: int) -> dict:
     holds, where the merge runs as a tree of such loads (``_merge_tree``, nodes of ``merge_tree_node``; MERGE_TREE:
     the tree's own code, which read 0.3-0.7 us slower than the one load where one node would do, NOTES v37);
     elsewhere 0, 0 and False (the pipelined loop of one merging split; one build serves every row count). Each row
-    block merges its own rows (``_Plan.block_rows``). Only where the grid has at most ``slots`` programs (SMs times
-    the tile's programs per SM): there the merge after the last split is the launch's critical path. Over fuller
-    grids the loop stays (NOTES v19: at B = 16, L = 32k with 8 splits the merge at once read 511-518 us against the
-    loop's 490)."""
+    block merges its own rows (``_Plan.block_rows``; several row blocks only as the wide groups' 16-row blocks, NOTES
+    v39). Only where the grid has at most ``slots`` programs (SMs times the tile's programs per SM): there the
+    merge after the last split is the launch's critical path. Over fuller grids the loop stays (NOTES v19: at B =
+    16, L = 32k with 8 splits the merge at once read 511-518 us against the loop's 490)."""
     padded, width, rows = next_power_of_2(splits), plan.constexprs["BLOCK_DV"], plan.block_rows
     node = padded if padded <= merge_at_once_splits(rows, width) else merge_tree_node(rows, width)
     fits = plan.grid_bh * plan.row_blocks * splits <= slots
-    if not (splits > 1 and fits and node):
+    blocks = plan.row_blocks == 1 or rows <= DECODE_WIDE_ROWS  # several blocks of 64 rows keep the loop (untimed)
+    if not (splits > 1 and fits and node and blocks):
         return {"MERGE_SPLITS": 0, "MERGE_ROWS": 0, "MERGE_TREE": False}
     return {"MERGE_SPLITS": node, "MERGE_ROWS": next_power_of_2(rows), "MERGE_TREE": node < padded}
 
@@ -511,9 +511,9 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
     b, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     sms = _sm_count(q.device)
-    if config is None:  # programs per split: (sequence, kv head) pairs times row blocks (64 rows in every table)
-        paged = block_table is not None
-        block_m = decode_block_m(sq * (hq // hkv), b * hkv, sms, max(d, dv), q.dtype, q.device.type, paged)
+    if config is None:  # programs per split: (sequence, kv head) pairs times row blocks (of 64 rows in the tables,
+        paged = block_table is not None  # or 16 for wide groups with automatic splits)
+        block_m = decode_block_m(sq, hq // hkv, b * hkv, sms, max(d, dv), q.dtype, q.device.type, paged, num_splits)
         programs = b * hkv * cdiv(sq * (hq // hkv), block_m)
         config = decode_config(d, dv, q.dtype, q.device.type, batch_heads=programs, max_seqlen_k=longest,
                                num_sms=sms, num_splits=num_splits, paged=paged, rows=b * sq * hq)
