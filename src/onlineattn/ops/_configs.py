@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._launch import next_power_of_2
+from ._launch import cdiv, next_power_of_2
 
 
 @dataclass(frozen=True)
@@ -825,15 +825,14 @@ def decode_splits(tile: DecodeConfig, programs: int, max_seqlen_k: int, num_sms:
     splits 9.2 us, 32 in a tree 12.3; v38: 6.6 against 7.4 with the rows-first merge)."""
     splits = decode_num_splits(programs, max_seqlen_k, num_sms, tile.block_n, tile.balance, tile.per_sm,
                                tile.min_blocks)
-    held = merge_at_once_splits(rows, head_dim_v) if tile.per_sm > 1 else 0
-    if 1 < held < splits:
+    held, node = merge_at_once_splits(rows, head_dim_v), merge_tree_node(rows, head_dim_v)
+    if tile.per_sm > 1 and 1 < held < splits:
         sparse = programs * held * DECODE_TREE_SPARSE <= num_sms  # the capped grid would leave most SMs idle
         longest = DECODE_SHORT_MAX_KEYS // 2 if sparse else DECODE_SHORT_MAX_KEYS  # capped chunks past it: a tree
-        if not (merge_tree_node(rows, head_dim_v) and -(-max_seqlen_k // held) > longest):
+        if not (node and cdiv(max_seqlen_k, held) > longest):
             return held
         splits -= splits % held  # a tree of whole nodes
-    node = merge_tree_node(rows, head_dim_v)
-    if node and merge_at_once_splits(rows, head_dim_v) < splits and programs * splits <= tile.per_sm * num_sms:
+    if node and held < splits and programs * splits <= tile.per_sm * num_sms:
         return _tree_levels(splits, node, max_seqlen_k, tile.block_n)
     return splits
 
@@ -856,7 +855,7 @@ def _tree_levels(splits: int, node: int, max_seqlen_k: int, block_n: int) -> int
     fewer = 1
     while fewer * node < splits:
         fewer *= node
-    chunk = lambda n: -(-(-(-max_seqlen_k // n)) // block_n) * block_n  # noqa: E731 (the kernel's chunk)
+    chunk = lambda n: cdiv(cdiv(max_seqlen_k, n), block_n) * block_n  # noqa: E731 (the kernel's chunk)
     if fewer > 1 and chunk(fewer) - chunk(splits) <= DECODE_TREE_LEVEL_KEYS:
         return fewer
     return splits
