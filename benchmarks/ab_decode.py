@@ -9,11 +9,13 @@ Run it once per tree, alternating trees in separate processes (PYTHONPATH picks 
 Shapes are ``Hq:Hkv:B:L`` (d 128, bf16, contiguous cache, every sequence L long). ``--timing``: ``graph`` (the
 default), medians in µs of ``triton.testing.do_bench_cudagraph`` (kernel time, no launch overhead; a cache that fits
 in L2 is read from L2); ``cold``, the bench's cold timing (L2 cleared before each call, the host hidden); ``host``,
-the host µs of one eager call, with the GPU held busy so that no call waits for it (where an eager row times the host,
-this is why). ``--causal`` passes ``causal=True`` (one query token: the same result; the launcher picks its causal
-build where that reads faster). ``--set NAME=VALUE`` overrides an integer of ``onlineattn.ops._configs`` for this
-process (a rule's threshold, for example ``MERGE_TREE_MAX_ROWS=32``); ``--splits`` forces a split count. Each line
-also names the tile, split count and merge the launcher chose.
+the host µs of one eager call, with the GPU held busy so that no call waits for it (where an eager row times the
+host, this is why); ``eager``, the bench's default timing (``do_bench`` after the bench's GPU warm-up, under
+no_grad), which times the host wherever the host takes longer than do_bench's L2 clear and the call. ``--causal``
+passes ``causal=True`` (one query token: the same result; the launcher picks its causal build where that reads
+faster). ``--set NAME=VALUE`` overrides an integer of ``onlineattn.ops._configs`` for this process (a rule's
+threshold, for example ``MERGE_TREE_MAX_ROWS=32``); ``--splits`` forces a split count. Each line also names the
+tile, split count and merge the launcher chose.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import triton.testing
 
 from onlineattn.api import attention_with_kvcache
+from onlineattn.bench.decode import _time as bench_time
 from onlineattn.bench.rows import time_cold
 from onlineattn.ops import _configs as C
 from onlineattn.ops import decode as D
@@ -35,6 +38,8 @@ def _time_us(fn, timing: str) -> float:
     torch.cuda.synchronize()
     if timing == "host":
         return _host_us(fn)
+    if timing == "eager":
+        return 1e3 * bench_time(fn, "eager")
     return 1e3 * (time_cold(fn) if timing == "cold" else
                   triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median"))
 
@@ -55,7 +60,8 @@ def _host_us(fn, calls: int = 200) -> float:
 def _choice() -> str:
     """The tile, splits and merge of the step the last call launched (the launcher's cached choice)."""
     step = next(reversed(D._STEPS.values()))
-    config, _, splits, merge, _ = next(reversed(step.lengths.values()))
+    chosen = next(reversed(step.lengths.values()))
+    config, splits, merge = chosen.tile, chosen.splits, chosen.merge
     return f"bn{config.block_n}s{config.num_stages}x{config.per_sm} splits {splits} node {merge['MERGE_SPLITS']}" + (
         " tree" if merge["MERGE_TREE"] else "")
 
@@ -65,7 +71,7 @@ def main() -> None:
     p.add_argument("--label", default="tree")
     p.add_argument("--shapes", required=True, help="comma-separated Hq:Hkv:B:L")
     p.add_argument("--causal", action="store_true")
-    p.add_argument("--timing", choices=("graph", "cold", "host"), default="graph")
+    p.add_argument("--timing", choices=("graph", "cold", "host", "eager"), default="graph")
     p.add_argument("--splits", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--no-sdpa", action="store_true")

@@ -57,7 +57,7 @@ def _inputs(b, length, page=0):
 def _auto(q, k, v, table, length, splits=0, tile=None):
     """The launcher's own choice for this case, (tile, splits): ``decode._choose``, as a launch would make it."""
     chosen = decode_ops._choose(decode_ops._Step(), q, k, v, table, False, length, splits, tile)
-    return chosen[0], chosen[2]
+    return chosen.tile, chosen.splits
 
 
 def _tile(text):

@@ -314,9 +314,17 @@ class CacheDims:
     page_size: int
     num_pages: int
     capacity: int
-    # The metadata these sizes were checked under (check_kvcache's memo key), None where it was not memoised. It
-    # determines every launch choice that depends on metadata alone, so the launcher keys its own memo with it.
+    # Stands for the metadata these sizes were checked under (check_kvcache's memo key): a MetaToken, None where it
+    # was not memoised. The metadata determines every launch choice that depends on metadata alone, so the launcher
+    # keys its own memo with the token, which hashes and compares by identity (no tuple of shapes hashed per call).
     meta_key: object = field(default=None, compare=False, repr=False)
+
+
+class MetaToken:
+    """One entry of check_kvcache's memo: a new token each time the memo learns a metadata key, so two tokens are
+    equal only where they stand for the same key (a memo started over gives the same metadata a new token)."""
+
+    __slots__ = ()
 
 
 def _same_device(**tensors) -> None:
@@ -357,14 +365,14 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> Cach
     if k is not None and _same_address(k_cache, v_cache):  # only writes need them apart; reads may share memory
         raise ValueError("k_cache and v_cache must be separate memory when k and v are written into them, got views "
                          "that start at the same address")
-    metas = tuple(_tensor_meta(x) for x in (q, k_cache, v_cache, k, v, block_table))
+    metas = tuple([_tensor_meta(x) for x in (q, k_cache, v_cache, k, v, block_table)])
     seqlens = cache_seqlens if type(cache_seqlens) is int else _tensor_meta(cache_seqlens)
     key = None if None in metas or seqlens is None else (metas, seqlens)
     dims = _CHECKED_KVCACHE.get(key) if key is not None else None
     if dims is None:
         dims = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
         if key is not None:
-            dims = replace(dims, meta_key=key)
+            dims = replace(dims, meta_key=MetaToken())
             if len(_CHECKED_KVCACHE) >= _MAX_CHECKED:
                 _CHECKED_KVCACHE.clear()
             _CHECKED_KVCACHE[key] = dims

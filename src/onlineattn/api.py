@@ -362,12 +362,9 @@ def attention_with_kvcache(
         >>> torch.equal(k_cache[0, 10], k[0, 0]) and torch.equal(k_cache[1, 3], k[1, 0])
         True
     """
-    if not (type(window_size) is tuple and window_size == (-1, -1)):  # (off the decoding step's common path)
-        window_size = V.check_window(window_size)  # sides of 2^30 or more are unbounded too
-    for name, value, default in (("window_size", window_size, (-1, -1)), ("softcap", softcap, 0.0),
-                                 ("alibi_slopes", alibi_slopes, None)):
-        V.check_unsupported(name, value, default, "by attention_with_kvcache (decoding has no score variants); "
-                            "attention() takes it over the cached keys")
+    if not (type(window_size) is tuple and window_size == (-1, -1) and type(softcap) is float and softcap == 0.0
+            and alibi_slopes is None):  # (off the decoding step's common path)
+        _check_no_kvcache_variants(window_size, softcap, alibi_slopes)
     dims = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
     scale, causal, return_lse, check_indices, num_splits, backend = kvcache_keywords(
         q, softmax_scale, causal, return_lse, check_indices, num_splits, backend)
@@ -388,6 +385,16 @@ def attention_with_kvcache(
             o, lse = torch_impl.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale,
                                                        causal)
     return (o, lse) if return_lse else o
+
+
+def _check_no_kvcache_variants(window_size, softcap, alibi_slopes) -> None:
+    """``attention_with_kvcache``'s score variants, accepted only at their defaults."""
+    if not (type(window_size) is tuple and window_size == (-1, -1)):
+        window_size = V.check_window(window_size)  # sides of 2^30 or more are unbounded too
+    for name, value, default in (("window_size", window_size, (-1, -1)), ("softcap", softcap, 0.0),
+                                 ("alibi_slopes", alibi_slopes, None)):
+        V.check_unsupported(name, value, default, "by attention_with_kvcache (decoding has no score variants); "
+                            "attention() takes it over the cached keys")
 
 
 def kvcache_keywords(q, softmax_scale, causal, return_lse, check_indices, num_splits, backend) -> tuple:

@@ -437,13 +437,13 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
         q = torch.zeros(b, 1, hq, 128, dtype=torch.bfloat16)
         cache = torch.zeros(1, 1, hkv, 128, dtype=torch.bfloat16).expand(b, length, hkv, 128)
         chosen = D._choose(D._Step(), q, cache, cache, None, False, length, 0, None)
-        assert (chosen[0], chosen[2]) == (tile, splits), (b, hq, hkv, length)
+        assert (chosen.tile, chosen.splits) == (tile, splits), (b, hq, hkv, length)
         if tile.per_sm > 1:
-            assert D._merge_at_once(chosen[1], chosen[2], 132 * tile.per_sm)["MERGE_SPLITS"]
+            assert D._merge_at_once(chosen.plan, chosen.splits, 132 * tile.per_sm)["MERGE_SPLITS"]
     q = torch.zeros(64, 1, 32, 128, dtype=torch.bfloat16)
     cache = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16).expand(64, 32768, 8, 128)
     chosen = D._choose(D._Step(), q, cache, cache, None, False, 32768, 0, C.DecodeConfig(64, 64, 4, 2))
-    assert chosen[2] == 8  # balance: 512 blocks / 64
+    assert chosen.splits == 8  # balance: 512 blocks / 64
 
 
 @pytest.mark.parametrize("sms,sq,causal_build", [(1, 1, False), (1 << 20, 1, True), (1, 3, True)],
@@ -641,7 +641,8 @@ def test_short_caches_bf16(b, hq, hkv, lengths, monkeypatch):
     k_cache = torch.randn(b, length, hkv, 128, device="cuda", dtype=torch.bfloat16)
     v_cache = torch.randn_like(k_cache)
     lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
-    tile, plan, splits, _, _ = D._choose(D._Step(), q, k_cache, v_cache, None, False, length, 0, None)
+    chosen = D._choose(D._Step(), q, k_cache, v_cache, None, False, length, 0, None)
+    tile, plan, splits = chosen.tile, chosen.plan, chosen.splits
     assert tile.per_sm == 2 and splits > 1
     o, lse = onlineattn.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, return_lse=True)
     assert taken and all(chosen["MERGE_SPLITS"] for chosen in taken)
@@ -701,8 +702,8 @@ def test_api_steps_are_keyed_by_the_checked_metadata(monkeypatch):
     call = lambda lengths: onlineattn.attention_with_kvcache(q[:, :1], k, v, cache_seqlens=lengths,  # noqa: E731
                                                              return_lse=True, backend="triton")
     first, again = call(lens), call(lens)
-    (meta_key,) = V._CHECKED_KVCACHE
-    assert [key[0] for key in D._STEPS] == [meta_key]
+    (dims,) = V._CHECKED_KVCACHE.values()
+    assert [key[0] for key in D._STEPS] == [dims.meta_key] and isinstance(dims.meta_key, V.MetaToken)
     strided = torch.stack([lens, lens], 1)[:, 0]
     assert strided.stride(0) == 2
     other = call(strided)

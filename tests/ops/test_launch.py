@@ -556,10 +556,15 @@ def _cuda_launcher(recorder, types: tuple, n_rest: int, swizzle: int = 3):
     return launcher
 
 
+def _as_pointers(args: tuple) -> tuple:
+    """A launch's arguments with each tensor as its data pointer: what the C launcher reads of it (``getPointer``)."""
+    return tuple(x.data_ptr() if isinstance(x, torch.Tensor) else x for x in args)
+
+
 def test_direct_relaunch_passes_what_triton_launcher_would(monkeypatch):
-    """The direct launch gives the C launcher exactly the arguments ``CudaLauncher`` would (tensor maps and all); a
-    descriptor kept by address builds its tensor map once per kernel metadata, one over a tensor every launch (as
-    Triton's)."""
+    """The direct launch gives the C launcher exactly the arguments ``CudaLauncher`` would (tensor maps and all,
+    tensors as their data pointers); a descriptor kept by address builds its tensor map once per kernel metadata,
+    one over a tensor every launch (as Triton's)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 
     kernel, grid, args, kwargs = _gluon_calls(monkeypatch)[0]
@@ -582,7 +587,8 @@ def test_direct_relaunch_passes_what_triton_launcher_would(monkeypatch):
         assert relaunches[-1].direct is not None
         launcher(grid[0], 1, 1, 7, "function", "packed", None, None, None, *arrays, *rest)  # Triton's own path
         relaunches[-1].go(grid, arrays)
-        assert launches[-1] == launches[-2] and len(launches[-1]) == 13 + 4 * (1 + 4 + 4) + 1 + len(rest)
+        assert any(isinstance(x, torch.Tensor) for x in launches[-2])
+        assert launches[-1] == _as_pointers(launches[-2]) and len(launches[-1]) == 13 + 4 * (1 + 4 + 4) + 1 + len(rest)
     assert maps.calls == 16 and launches[0][5:7] == (True, False)  # cooperative, not PDL
     maps_at = [13 + 9 * i for i in range(4)]
     assert all(launches[1][i] != launches[3][i] for i in maps_at)  # each kernel its own maps
@@ -595,18 +601,22 @@ def test_direct_relaunch_passes_what_triton_launcher_would(monkeypatch):
 
 def test_direct_relaunch_of_tensors_calls_the_c_launcher(fake_decode, monkeypatch, capsys):
     """A kernel without descriptors: ``CudaLauncher``'s launch is the C launcher itself (here ``print``, a builtin),
-    which the direct launch calls with the same arguments."""
+    which the direct launch calls with the same arguments, its tensors as their data pointers (which the C launcher
+    takes as they are). It declines tensors off the GPU, whose pointers the C launcher would have refused."""
     jit, grid, args, kwargs, runs, compiled = fake_decode
     bound = _launch.bind(jit, args, kwargs)[1]
     arrays, rest = tuple(bound[:9]), tuple(bound[9:])
     compiled.run = _cuda_launcher(print, tuple(map(type, arrays)), len(rest))
     assert compiled.run.launch is print
-    relaunch = _launch.Relaunch(jit, compiled, arrays, rest, 0, (None, None), {})
+    knob_values = (knobs.runtime.debug, knobs.compilation.instrumentation_mode)
+    relaunch = _launch.Relaunch(jit, compiled, arrays, rest, 0, knob_values, {})
     assert relaunch.direct is not None
-    compiled.run(grid[0], grid[1], grid[2], 7, "function", "packed", None, None, None, *arrays, *rest)
+    compiled.run(grid[0], grid[1], grid[2], 7, "function", "packed", None, None, None, *_as_pointers(arrays), *rest)
     triton_path = capsys.readouterr().out
     relaunch.go(grid, arrays)
     assert capsys.readouterr().out == triton_path and "True False" in triton_path
+    assert not relaunch.ready(arrays) and not relaunch(grid, arrays)  # CPU tensors
+    assert capsys.readouterr().out == ""
 
 
 def test_direct_relaunch_declines_scratch_and_other_launchers(monkeypatch):

@@ -229,42 +229,64 @@ class Relaunch:
         self.types = tuple(map(type, arrays))
         self.tensor_at = _getter([i for i, t in enumerate(self.types) if t not in _DESCRIPTOR_TYPES])
         self.descriptor_at = [i for i, t in enumerate(self.types) if t in _DESCRIPTOR_TYPES]
-        self.aligned = _aligned(self.tensor_at(arrays))
+        self.aligned = tuple([x.data_ptr() % 16 == 0 for x in self.tensor_at(arrays)])
         self.descriptor_keys = _descriptor_keys(arrays, self.descriptor_at)
         self.device, self.knobs = device, knob_values
         self.options = options  # the launch options (num_warps...): not needed to relaunch, kept for checks
         self.direct = _direct(compiled, self.types)
 
     def __call__(self, grid: tuple, arrays: tuple) -> bool:
-        if not self.ready(arrays):
+        pointers = self._pointers(arrays)
+        if pointers is None:
             return False
-        self.go(grid, arrays)
+        self._go(grid, arrays, pointers)
         return True
 
     def ready(self, arrays: tuple) -> bool:
         """Whether a call with these leading arguments launches the kept kernel (see the class docstring)."""
-        rt = knobs.runtime
-        if not (enabled and _hooks_idle(rt) and not self.kernel.pre_run_hooks
-                and (rt.debug, knobs.compilation.instrumentation_mode) == self.knobs):
-            return False
-        if tuple(map(type, arrays)) != self.types or _aligned(self.tensor_at(arrays)) != self.aligned:
-            return False
-        if self.descriptor_at and _descriptor_keys(arrays, self.descriptor_at) != self.descriptor_keys:
-            return False
-        return driver.active.get_current_device() == self.device and _globals_unchanged(self.kernel)
+        return self._pointers(arrays) is not None
 
     def go(self, grid: tuple, arrays: tuple) -> None:
         """Launch the kept kernel with these leading arguments; only after ``ready(arrays)``."""
+        self._go(grid, arrays, [x.data_ptr() for x in self.tensor_at(arrays)])
+
+    def _pointers(self, arrays: tuple) -> list | None:
+        """``ready``: the tensors' data pointers where a call with these arrays launches the kept kernel, else None.
+        A direct launch passes them to the C launcher as ints, which skips its ``data_ptr()`` call and its
+        ``cuPointerGetAttribute`` check per tensor (~0.3 µs each); so there every tensor must be a CUDA one (that
+        check's point: anything else is declined, and ``launch`` raises Triton's error for it)."""
+        rt = knobs.runtime
+        if not (enabled and _hooks_idle(rt) and not self.kernel.pre_run_hooks
+                and (rt.debug, knobs.compilation.instrumentation_mode) == self.knobs):
+            return None
+        if tuple(map(type, arrays)) != self.types:
+            return None
+        tensors = self.tensor_at(arrays)
+        pointers = [x.data_ptr() for x in tensors]
+        if tuple([p % 16 == 0 for p in pointers]) != self.aligned:
+            return None
+        if self.direct is not None and not all([x.is_cuda for x in tensors]):
+            return None
+        if self.descriptor_at and _descriptor_keys(arrays, self.descriptor_at) != self.descriptor_keys:
+            return None
+        if driver.active.get_current_device() != self.device or not _globals_unchanged(self.kernel):
+            return None
+        return pointers
+
+    def _go(self, grid: tuple, arrays: tuple, pointers: list) -> None:
         if self.direct is None:
             _run(self.compiled, grid, self.device, arrays + self.rest)
             return
         launcher, fixed, metas = self.direct
-        args = []
-        for x, meta in zip(arrays, metas):
-            if meta is _TENSOR:
-                args.append(x)
-            else:
-                args.extend(_descriptor_args(x, meta))
+        if self.descriptor_at:
+            args, at = [], iter(pointers)
+            for x, meta in zip(arrays, metas):
+                if meta is _TENSOR:
+                    args.append(next(at))
+                else:
+                    args.extend(_descriptor_args(x, meta))
+        else:
+            args = pointers
         launcher(*_grid3(grid), driver.active.get_current_stream(self.device), *fixed, *args, *self.rest)
 
 
@@ -319,10 +341,6 @@ def keep_launch_args(d):
     (``_descriptor_args``). Returns d."""
     d.launch_args = {}
     return d
-
-
-def _aligned(tensors) -> tuple:
-    return tuple([x.data_ptr() % 16 == 0 for x in tensors])
 
 
 def _descriptor_key(d) -> tuple:

@@ -383,8 +383,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     [B, max_pages]`` int32; ``cache_seqlens`` int32 ``[B]``, on the device (validated by the caller, values included).
     ``num_splits = 0`` chooses with ``decode_splits`` from the grid, ``max_seqlen_k`` (if known, else the cache's
     capacity) and the SM count. ``out``/``lse_out`` (contiguous) let tests pass pre-poisoned buffers; ``config``
-    overrides the table. ``meta_key`` (the API's ``CacheDims.meta_key``: the shapes, strides, dtypes and devices of
-    every argument) stands for the metadata part of this call's memo key, which is then not rebuilt.
+    overrides the table. ``meta_key`` (the API's ``CacheDims.meta_key``, a token for the shapes, strides, dtypes and
+    devices of every argument) stands for the metadata part of this call's memo key, which is then not rebuilt.
     """
     if q.dtype not in KERNEL_DTYPES:
         raise TypeError(f"the Triton kernels take float16, bfloat16 or float32; q has dtype {q.dtype}")
@@ -424,7 +424,7 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         longest = block_table.shape[1] * k_cache.shape[1] if block_table is not None else k_cache.shape[1]
     new = 0 if k is None else k.shape[1]
     # A step seen before (same metadata) reuses its choices. The longest length grows by one per decoding step, so it
-    # keys a second, per-step table: the tile and split count it gives, and per (tile, split count) a Relaunch.
+    # keys a second, per-step table: the tile and split count it gives (a _Splits, with its scratch and Relaunch).
     if meta_key is None:
         meta_key = (q.shape, q.stride(), q.dtype, device, k_cache.shape, k_cache.stride(), k_cache.dtype,
                     v_cache.shape, v_cache.stride(), v_cache.dtype, cache_seqlens.dtype,
@@ -433,24 +433,26 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
     step = _STEPS.get(key)
     if step is None:
         step = bounded_put(_STEPS, key, _Step(), _MAX_STEPS)
-    choice = step.lengths.get(longest)
-    if choice is None:
-        choice = bounded_put(step.lengths, longest, _choose(step, q, k_cache, v_cache, block_table, causal, longest,
-                                                            num_splits, config), _MAX_LENGTHS)
-    cfg, plan, splits, merge, scratch = choice
-    if splits > 1:
-        work, counts = _workspace(device, *scratch)
+    splits_at = step.lengths.get(longest)
+    if splits_at is None:
+        splits_at = bounded_put(step.lengths, longest, _choose(step, q, k_cache, v_cache, block_table, causal, longest,
+                                                               num_splits, config), _MAX_LENGTHS)
+    if splits_at.splits > 1:
+        stream = _stream_id(device)
+        scratch = splits_at.workspaces.get(stream)
+        if scratch is None:
+            scratch = splits_at.workspaces[stream] = _workspace(device, *splits_at.scratch)
+        work, counts = scratch
     else:
         work, counts = o, cache_seqlens  # unused: stand-ins of the right kind
     tensors = (q, k_cache, v_cache, cache_seqlens, cache_seqlens if block_table is None else block_table,
                o, o if lse is None else lse, work, counts)
-    grid = (plan.grid_bh, plan.row_blocks, splits)
-    relaunch = step.relaunches.get((cfg, splits))
-    if relaunch is None or not relaunch(grid, tensors):
-        step.relaunches[cfg, splits] = prepare(
-            decode_kernel, grid, len(tensors), *tensors, *plan.strides,
-            sq, new, splits, scale * LOG2E,
-            SPLIT=splits > 1, STORE_LSE=lse is not None, **merge, **plan.constexprs,
+    relaunch = splits_at.relaunch
+    if relaunch is None or not relaunch(splits_at.grid, tensors):
+        splits_at.relaunch = prepare(
+            decode_kernel, splits_at.grid, len(tensors), *tensors, *splits_at.plan.strides,
+            sq, new, splits_at.splits, scale * LOG2E,
+            SPLIT=splits_at.splits > 1, STORE_LSE=lse is not None, **splits_at.merge, **splits_at.plan.constexprs,
         )
     return o, lse
 
@@ -491,14 +493,26 @@ def _scratch(plan: _Plan, splits: int, node: int) -> tuple[int, int]:
 
 
 class _Step:
-    """What decode calls of one metadata have chosen: per longest length ``_choose``'s ``(tile, plan, split count,
-    merge constexprs, scratch sizes)``, per tile its plan, and per ``(tile, split count)`` a ``Relaunch`` that repeats
-    the launch with the next step's tensors."""
+    """What decode calls of one metadata have chosen: per longest length the ``_Splits`` that ``_choose`` gave (one
+    per (tile, split count), shared by the lengths that chose it) and per tile its plan."""
 
-    __slots__ = ("lengths", "plans", "relaunches")
+    __slots__ = ("lengths", "plans", "splits")
 
     def __init__(self):
-        self.lengths, self.plans, self.relaunches = {}, {}, {}
+        self.lengths, self.plans, self.splits = {}, {}, {}
+
+
+class _Splits:
+    """One (tile, split count) of a step: its plan, grid, merge constexprs and scratch sizes, per stream the scratch
+    it launches with, and the ``Relaunch`` that repeats its launch with the next step's tensors. Held by the lengths
+    that chose it, so a repeated step reads them without hashing a key."""
+
+    __slots__ = ("tile", "plan", "splits", "grid", "merge", "scratch", "workspaces", "relaunch")
+
+    def __init__(self, tile: DecodeConfig, plan: _Plan, splits: int, merge: dict, scratch: tuple[int, int]):
+        self.tile, self.plan, self.splits, self.merge, self.scratch = tile, plan, splits, merge, scratch
+        self.grid = (plan.grid_bh, plan.row_blocks, splits)
+        self.workspaces, self.relaunch = {}, None
 
 
 _STEPS: dict = {}
@@ -506,8 +520,9 @@ _MAX_STEPS = 256  # metadata a process decodes with are few; past this the table
 _MAX_LENGTHS = 4096  # per metadata; past this (a very long generation) the table starts over
 
 
-def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest: int, num_splits: int, config):
-    """``(tile, plan, split count, merge constexprs, scratch sizes)`` for keys up to ``longest``."""
+def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest: int, num_splits: int,
+            config) -> _Splits:
+    """The tile and split count (with its plan, merge constexprs and scratch sizes) for keys up to ``longest``."""
     b, sq, hq, d = q.shape
     hkv, dv = k_cache.shape[2], v_cache.shape[3]
     sms = _sm_count(q.device)
@@ -524,5 +539,9 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
     splits = num_splits or decode_splits(config, plan.grid_bh * plan.row_blocks, longest, sms, plan.block_rows,
                                          plan.constexprs["BLOCK_DV"])
     splits = max(1, min(splits, cdiv(longest, config.block_n)))  # more would only add empty chunks
-    merge = _merge_at_once(plan, splits, sms * config.per_sm)
-    return config, plan, splits, merge, _scratch(plan, splits, merge["MERGE_SPLITS"] if merge["MERGE_TREE"] else 0)
+    chosen = step.splits.get((config, splits))
+    if chosen is None:
+        merge = _merge_at_once(plan, splits, sms * config.per_sm)
+        scratch = _scratch(plan, splits, merge["MERGE_SPLITS"] if merge["MERGE_TREE"] else 0)
+        chosen = step.splits[config, splits] = _Splits(config, plan, splits, merge, scratch)
+    return chosen
