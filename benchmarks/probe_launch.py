@@ -211,8 +211,8 @@ def check(*indices: str) -> None:
     _launch.launch = checked  # forward and backward launch through _launch.start, decode through prepare: both call it
     relaunch = _launch.Relaunch.go
 
-    def checked_relaunch(self, grid, arrays):  # kept launches (decode, forward, backward): run()'s kernel
-        relaunch(self, grid, arrays)
+    def checked_relaunch(self, grid, arrays, *pointers):  # kept launches (decode, forward, backward): run()'s kernel
+        relaunch(self, grid, arrays, *pointers)
         expected = self.kernel.run(*arrays, *self.rest, grid=grid, warmup=True, **self.options)
         launched.append(self.compiled is expected)
         if self.compiled is not expected:
@@ -257,7 +257,7 @@ def repeat() -> None:
     calls, relaunched = [], []
     Sm90NoLaunch.launcher_cls = lambda self, src, metadata: lambda *args: calls.append(args)
     go = _launch.Relaunch.go
-    _launch.Relaunch.go = lambda self, grid, arrays: relaunched.append(1) or go(self, grid, arrays)
+    _launch.Relaunch.go = lambda self, grid, arrays, *ptrs: relaunched.append(1) or go(self, grid, arrays, *ptrs)
 
     def seen(args):  # grid, then the arguments after stream, function, metadata and hooks
         return args[:3], [("desc", a.base.data_ptr(), tuple(a.shape), tuple(a.strides), tuple(a.block_shape),

@@ -466,7 +466,7 @@ def test_one_token_causal_build(sms, sq, causal_build, monkeypatch):
 
 def test_growing_lengths_reuse_one_step(monkeypatch):
     """The step memo leaves the lengths out of its key (they grow by one per decoding step): the split count is
-    recomputed, the plan and its relaunches are kept."""
+    recomputed, the plans and each (tile, split count)'s Relaunch are kept."""
     monkeypatch.setattr(D, "_STEPS", {})
     q, k, v = _sequence(2, 64, 4, 2, 16, 16, torch.float32, seed=13)
     lens = torch.full((2,), 40, dtype=torch.int32, device=DEVICE)

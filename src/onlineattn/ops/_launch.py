@@ -217,7 +217,8 @@ class Relaunch:
     types in the same places; every other argument equal): ``relaunch(grid, arrays)`` launches the compiled kernel
     with them, or returns False, launching nothing, where the call might specialise differently (a tensor's type or
     16-byte alignment, a descriptor's dtype, block shape, padding or Gluon layout changed; another device; a hook,
-    pre-run hook, knob or global the kernel read changed since) and so needs ``launch``. The two halves are
+    pre-run hook, knob or global the kernel read changed since), or, for a direct launch, a tensor is not on CUDA
+    (Triton's launcher would refuse its pointer), and so needs ``launch``. The two halves are
     ``ready(arrays)`` and ``go(grid, arrays)``, for callers that must know several launches can be repeated before
     starting any. ``prepare`` makes one."""
 
@@ -239,16 +240,32 @@ class Relaunch:
         pointers = self._pointers(arrays)
         if pointers is None:
             return False
-        self._go(grid, arrays, pointers)
+        self.go(grid, arrays, pointers)
         return True
 
     def ready(self, arrays: tuple) -> bool:
         """Whether a call with these leading arguments launches the kept kernel (see the class docstring)."""
         return self._pointers(arrays) is not None
 
-    def go(self, grid: tuple, arrays: tuple) -> None:
-        """Launch the kept kernel with these leading arguments; only after ``ready(arrays)``."""
-        self._go(grid, arrays, [x.data_ptr() for x in self.tensor_at(arrays)])
+    def go(self, grid: tuple, arrays: tuple, pointers: list | None = None) -> None:
+        """Launch the kept kernel with these leading arguments; only after ``ready(arrays)``. ``pointers``: their
+        tensors' data pointers, where the caller has them (``__call__``)."""
+        if self.direct is None:
+            _run(self.compiled, grid, self.device, arrays + self.rest)
+            return
+        if pointers is None:
+            pointers = [x.data_ptr() for x in self.tensor_at(arrays)]
+        launcher, fixed, metas = self.direct
+        if self.descriptor_at:
+            args, at = [], iter(pointers)
+            for x, meta in zip(arrays, metas):
+                if meta is _TENSOR:
+                    args.append(next(at))
+                else:
+                    args.extend(_descriptor_args(x, meta))
+        else:
+            args = pointers
+        launcher(*_grid3(grid), driver.active.get_current_stream(self.device), *fixed, *args, *self.rest)
 
     def _pointers(self, arrays: tuple) -> list | None:
         """``ready``: the tensors' data pointers where a call with these arrays launches the kept kernel, else None.
@@ -273,24 +290,7 @@ class Relaunch:
             return None
         return pointers
 
-    def _go(self, grid: tuple, arrays: tuple, pointers: list) -> None:
-        if self.direct is None:
-            _run(self.compiled, grid, self.device, arrays + self.rest)
-            return
-        launcher, fixed, metas = self.direct
-        if self.descriptor_at:
-            args, at = [], iter(pointers)
-            for x, meta in zip(arrays, metas):
-                if meta is _TENSOR:
-                    args.append(next(at))
-                else:
-                    args.extend(_descriptor_args(x, meta))
-        else:
-            args = pointers
-        launcher(*_grid3(grid), driver.active.get_current_stream(self.device), *fixed, *args, *self.rest)
-
-
-_TENSOR = object()  # in a direct launch's per-array metadata: a tensor, passed as it is
+_TENSOR = object()  # in a direct launch's per-array metadata: a tensor, passed as its data pointer
 
 
 def _direct(compiled, types: tuple):
