@@ -68,13 +68,15 @@ def test_defaults_accepted_explicitly():
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_deterministic_reaches_the_triton_backward(deterministic, monkeypatch):
     """``deterministic`` travels from ``attention`` to the eager Triton backward (which may fuse dQ only when it is
-    False); the default is True."""
+    False); the default is True. On the GPU where there is one (there the interpreter is off, and backend="triton"
+    refuses CPU tensors), else under the interpreter."""
     from onlineattn.ops import backward as B
 
     seen = []
     gradients = B.gradients
     monkeypatch.setattr(B, "gradients", lambda *a, **kw: seen.append(kw["deterministic"]) or gradients(*a, **kw))
-    q, k, v = (x.requires_grad_() for x in _qkv(torch.Generator().manual_seed(5)))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    q, k, v = (x.to(device).requires_grad_() for x in _qkv(torch.Generator().manual_seed(5)))
     onlineattn.attention(q, k, v, backend="triton").sum().backward()
     onlineattn.attention(q, k, v, deterministic=deterministic, backend="triton").sum().backward()
     assert seen == [True, deterministic]
