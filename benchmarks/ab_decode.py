@@ -63,7 +63,7 @@ def _choice() -> str:
     chosen = next(reversed(step.lengths.values()))
     config, splits, merge = chosen.tile, chosen.splits, chosen.merge
     return f"bn{config.block_n}s{config.num_stages}x{config.per_sm} splits {splits} node {merge['MERGE_SPLITS']}" + (
-        " tree" if merge["MERGE_TREE"] else "")
+        " tree" if merge["MERGE_TREE"] else "") + (" tma" if chosen.tma else "")
 
 
 def main() -> None:
@@ -75,6 +75,8 @@ def main() -> None:
     p.add_argument("--splits", type=int, default=0)
     p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
     p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--head-major", action="store_true",
+                   help="our caches as views of [B, Hkv, L, d] memory (SDPA's layout) instead of [B, L, Hkv, d]")
     args = p.parse_args()
     for item in args.set:
         name, value = item.split("=")
@@ -85,7 +87,11 @@ def main() -> None:
         hq, hkv, b, length = (int(x) for x in shape.split(":"))
         gen = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(b, 1, hq, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
-        k, v = (torch.randn(b, length, hkv, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "kv")
+        if args.head_major:
+            k, v = (torch.randn(b, hkv, length, 128, device="cuda", dtype=torch.bfloat16, generator=gen).transpose(1, 2)
+                    for _ in "kv")
+        else:
+            k, v = (torch.randn(b, length, hkv, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in "kv")
         lens = torch.full((b,), length, dtype=torch.int32, device="cuda")
         D._STEPS.clear()
         ours = _time_us(lambda: attention_with_kvcache(q, k, v, cache_seqlens=lens, causal=args.causal,

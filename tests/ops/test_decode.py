@@ -16,6 +16,7 @@ import onlineattn
 from onlineattn import reference as R
 from onlineattn.ops import _configs as C
 from onlineattn.ops import decode as D
+from onlineattn.ops.forward import descriptor
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
@@ -426,18 +427,20 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
     monkeypatch.setattr(D, "decode_block_m", lambda *args: C.decode_block_m(*args[:6], "cuda", *args[7:]))
     for b, hq, hkv, length, tile, splits in (
             (64, 32, 8, 131072, LONG, 1), (8, 32, 8, 32768, LONG, 2),
-            (64, 32, 8, 4096, C.DecodeConfig(64, 64, 4, 2), 1),
+            (64, 32, 8, 4096, HALF, 1),
             (1, 32, 8, 8192, LONG, 16), (1, 32, 8, 4096, SHORT, 32), (1, 32, 8, 1024, SHORT, 16),
             (1, 32, 32, 1024, SHORT, 8), (1, 32, 4, 2048, SHORT, 16),  # capped: chunks of 128 keys
             (1, 8, 2, 16384, SHORT, 128), (1, 28, 4, 8192, SHORT, 64),  # whole nodes of a merge tree (32, 16)
             (1, 32, 1, 8192, dataclasses.replace(SHORT, block_m=16), 64),  # 32 rows as two 16-row blocks
             (1, 32, 2, 8192, SHORT, 64),  # 16-row nodes of 8, two levels
             (2, 32, 1, 32768, dataclasses.replace(LONG, block_m=16), 33),
-            (2, 32, 8, 2048, C.DecodeConfig(64, 64, 4, 3), 8), (1, 64, 8, 4096, C.DecodeConfig(64, 64, 4, 3), 16)):
+            (2, 32, 8, 2048, FILL, 8), (1, 64, 8, 4096, FILL, 16)):
         q = torch.zeros(b, 1, hq, 128, dtype=torch.bfloat16)
         cache = torch.zeros(1, 1, hkv, 128, dtype=torch.bfloat16).expand(b, length, hkv, 128)
         chosen = D._choose(D._Step(), q, cache, cache, None, False, length, 0, None)
         assert (chosen.tile, chosen.splits) == (tile, splits), (b, hq, hkv, length)
+        chunk = -(-length // splits)  # in whole blocks, as the kernel cuts them: the lengths here are multiples
+        assert chosen.tma == (0 < chunk <= tile.tma_max_keys), (b, hq, hkv, length)  # B = 64, 128k: pointers
         if tile.per_sm > 1:
             assert D._merge_at_once(chosen.plan, chosen.splits, 132 * tile.per_sm)["MERGE_SPLITS"]
     q = torch.zeros(64, 1, 32, 128, dtype=torch.bfloat16)
@@ -475,7 +478,10 @@ def test_growing_lengths_reuse_one_step(monkeypatch):
     assert len(D._STEPS) == 1
 
 
-LONG = C.DecodeConfig(128, 64, 4, 3, balance=False)  # the long-chunk tile: its split count only fills the SMs
+TMA = C.DECODE_TMA_MAX_KEYS  # d = 128's contiguous tiles stream K and V by TMA up to chunks of this many keys
+LONG = C.DecodeConfig(128, 64, 4, 3, balance=False, tma_max_keys=TMA)  # long chunks: its split count only fills
+FILL = C.DecodeConfig(64, 64, 4, 3, tma_max_keys=TMA)  # one program per SM
+HALF = C.DecodeConfig(64, 64, 4, 2, tma_max_keys=TMA)  # fuller grids
 SHORT = C.DecodeConfig(64, 64, 4, 2, balance=False, per_sm=2, min_blocks=1)  # short caches: two programs per SM
 
 
@@ -485,11 +491,11 @@ def test_decode_tiles_count_row_blocks_and_given_splits():
     pick = lambda programs, length, splits=0: C.decode_config(  # noqa: E731
         128, 128, torch.bfloat16, "cuda", batch_heads=programs, max_seqlen_k=length, num_sms=132, num_splits=splits)
     assert pick(128, 4096) == LONG  # B = 16 x 8 kv heads, one row block, one split
-    assert pick(256, 4096) == C.DecodeConfig(64, 64, 4, 2)  # two row blocks each
+    assert pick(256, 4096) == HALF  # two row blocks each
     assert pick(256, 32768) == LONG  # ... over chunks of at least DECODE_LONG_MIN_KEYS
-    assert pick(128, 4096, splits=16) == C.DecodeConfig(64, 64, 4, 2)
+    assert pick(128, 4096, splits=16) == HALF
     assert pick(8, 4096, splits=4) == LONG  # chunks of 1024 keys: 8 blocks of 128
-    assert pick(8, 4096, splits=16) == C.DecodeConfig(64, 64, 4, 3)  # chunks of 256 keys
+    assert pick(8, 4096, splits=16) == FILL  # chunks of 256 keys
 
 
 def test_decode_tiles():
@@ -500,7 +506,7 @@ def test_decode_tiles():
     pick = lambda bh, length: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=bh, max_seqlen_k=length,
                                               num_sms=132, rows=32)
     for bh, length in ((8, 0), (128, 0), (128, 511), (128, 256), (8, 300)):  # lengths unknown, or too few splits
-        assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 3)
+        assert pick(bh, length) == FILL
     short = lambda bh, length, rows: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=bh,  # noqa: E731
                                                      max_seqlen_k=length, num_sms=132, rows=rows)
     for bh, length, rows in ((8, 1024, 32), (8, 4096, 32), (16, 2048, 32), (32, 1024, 32), (2, 16384, 8)):
@@ -520,19 +526,25 @@ def test_decode_tiles():
     assert C.decode_config(64, 64, torch.bfloat16, "cuda", batch_heads=8, max_seqlen_k=131072,
                            num_sms=132) == C.DecodeConfig(64, 64, 4, 3)  # 128-key blocks measured at d = 128 only
     for bh, length in ((512, 4096), (512, 16383), (256, 4096), (512, 0)):
-        assert pick(bh, length) == C.DecodeConfig(64, 64, 4, 2)
+        assert pick(bh, length) == HALF
     # the long tile's own split count fills the SMs once: 512 keys a chunk suffice, as in fill grids
     for bh, length in ((128, 8192), (32, 32768), (16, 65536)):
         assert pick(bh, length) == LONG
     # explicit split counts in a full grid: chunks of 16384 keys or more take the long tile
     explicit = lambda splits: C.decode_config(128, 128, torch.bfloat16, "cuda", batch_heads=512,  # noqa: E731
                                               max_seqlen_k=32768, num_sms=132, num_splits=splits)
-    assert explicit(2) == LONG and explicit(4) == C.DecodeConfig(64, 64, 4, 2)
+    assert explicit(2) == LONG and explicit(4) == HALF
     assert C.decode_config(128, 128, torch.float16, "cuda", batch_heads=512, max_seqlen_k=131072, num_sms=132) == LONG
     for d, dtype in ((64, torch.bfloat16), (256, torch.bfloat16), (128, torch.float32)):  # long tile at d = 128 only
         tile = C.decode_config(d, d, dtype, "cuda", batch_heads=512, max_seqlen_k=131072, num_sms=132)
         assert tile.balance and tile.block_n < 128
     assert C.decode_config(128, 128, torch.float32, "cuda", batch_heads=8, max_seqlen_k=4096, num_sms=132).block_n == 32
+    # TMA as measured: d = 128's half-precision contiguous tiles but the short-cache one; not d = 64 / 256 or float32
+    assert SHORT.tma_max_keys == 0 and LONG.tma_max_keys == FILL.tma_max_keys == HALF.tma_max_keys == TMA > 0
+    for d, dtype in ((64, torch.bfloat16), (256, torch.bfloat16), (128, torch.float32)):
+        for bh, length in ((8, 4096), (512, 4096), (512, 131072)):
+            assert C.decode_config(d, d, dtype, "cuda", batch_heads=bh, max_seqlen_k=length, num_sms=132,
+                                   rows=bh * 4).tma_max_keys == 0
 
 
 def test_wide_groups_take_16_row_blocks():
@@ -564,6 +576,70 @@ def test_decode_tiles_paged():
 
 # ---------------------------------------------------------------------------------------------------------------
 # GPU only: bf16, long caches, the issue's benchmark shapes.
+
+
+TMA_DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("dtype", TMA_DTYPES, ids=_name)
+@pytest.mark.parametrize("sq,num_splits", [(1, 1), (1, 3), (3, 2)], ids=["one-token", "splits", "causal-rows"])
+def test_tma_and_pointer_loads_agree(sq, num_splits, dtype, monkeypatch):
+    """K and V by TMA (tensor descriptors) and by pointer loads give the same bits, and the oracle's answer, over a
+    NaN-filled cache whose sequences end inside a key block (the copy engine reads the stale slots there: the masked
+    block must zero their values) and past it (zero-filled at the capacity's end)."""
+    monkeypatch.setattr(D, "_STEPS", {})
+    built = []
+    monkeypatch.setattr(D, "descriptor", lambda x, *box: built.append(box) or descriptor(x, *box))
+    b, hq, hkv, d, capacity = 3, 8, 2, 64, 150
+    q, k, v = _sequence(b, capacity, hq, hkv, d, d, dtype, seed=sq + num_splits)
+    k_cache, v_cache, _ = _cache("contiguous", b, capacity, hkv, d, d, dtype, seed=0)
+    lens = torch.tensor([150, 77, 5], dtype=torch.int32, device=DEVICE)
+    for i, n in enumerate(lens.tolist()):
+        k_cache[i, :n], v_cache[i, :n] = k[i, :n], v[i, :n]
+    base = C.decode_config(d, d, dtype, DEVICE, batch_heads=b * hkv, max_seqlen_k=capacity, num_sms=132)
+    outs = {}
+    for tma in (0, 1 << 20):
+        tile = dataclasses.replace(base, tma_max_keys=tma)
+        outs[tma] = D.attention_with_kvcache(q[:, :sq], k_cache, v_cache, None, None, lens, None, d**-0.5, True,
+                                             num_splits, config=tile)
+        ((chosen,),) = [list(step.lengths.values()) for step in D._STEPS.values()]
+        D._STEPS.clear()
+        assert chosen.tma == bool(tma) and len(built) == (2 if tma else 0)
+        assert (chosen.descriptors is not None) == (tma and DEVICE == "cuda")  # kept on CUDA only
+    for a, b_ in zip(outs[0], outs[1 << 20]):
+        assert torch.equal(a, b_)
+    exact = R.kvcache_attention(q[:, :sq].double(), k_cache.double(), v_cache.double(), cache_seqlens=lens)
+    base_o = R.kvcache_attention(q[:, :sq], k_cache, v_cache, cache_seqlens=lens)
+    R.assert_within_rule("o", outs[0][0], exact[0], base_o[0], _name(dtype))
+    R.assert_within_rule("lse", outs[0][1], exact[1], base_o[1], _name(dtype))
+
+
+def test_tma_needs_aligned_bases(monkeypatch):
+    """Two caches of the same shape and strides, one at a 16-byte aligned address and one 4 bytes past it: the
+    launcher keeps descriptors for the aligned pair and takes pointer loads for the other (the copy engine cannot
+    read it), each call right, and goes back to the kept descriptors."""
+    monkeypatch.setattr(D, "_STEPS", {})
+    built = []
+    monkeypatch.setattr(D, "descriptor", lambda x, *box: built.append(x.data_ptr()) or descriptor(x, *box))
+    b, hq, hkv, d, n = 2, 4, 2, 16, 40
+    q, k, v = _sequence(b, n, hq, hkv, d, d, torch.float32, seed=5)
+    room = torch.zeros(2, 2, b * n * hkv * d + 4, device=DEVICE)  # per shift, K's and V's
+    caches = {}
+    for shift in (0, 1):
+        k_cache, v_cache = (room[shift, i, shift : shift + k.numel()].view(k.shape) for i in (0, 1))
+        k_cache.copy_(k), v_cache.copy_(v)
+        caches[shift] = k_cache, v_cache
+    assert caches[0][0].data_ptr() % 16 == 0 and caches[1][0].data_ptr() % 16 == 4
+    tile = dataclasses.replace(C.decode_config(d, d, torch.float32, DEVICE), tma_max_keys=1 << 20)
+    lens = torch.tensor([n, 9], dtype=torch.int32, device=DEVICE)
+    exact = R.kvcache_attention(q[:, :1], k, v, cache_seqlens=lens)
+    aligned = [caches[0][0].data_ptr(), caches[0][1].data_ptr()]
+    for shift, builds in ((0, aligned), (1, aligned), (0, aligned if DEVICE == "cuda" else 2 * aligned)):
+        o, lse = D.attention_with_kvcache(q[:, :1], *caches[shift], None, None, lens, None, d**-0.5, False, 2,
+                                          config=tile)
+        R.assert_within_rule("o", o, exact[0], dtype_name="float32")
+        ((step,),) = [list(s.lengths.values()) for s in D._STEPS.values()]
+        assert step.tma and built == builds  # the shifted pair builds none; on CUDA the aligned pair's are kept
 
 
 def _check_decode_rows(q, k, v, o, lse, lengths, dtype):

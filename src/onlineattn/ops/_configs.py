@@ -648,6 +648,7 @@ class DecodeConfig:
     balance: bool = True  # the split rule also cuts long caches of full grids into chunks (decode_num_splits)
     per_sm: int = 1  # programs per SM the split rule fills (decode_num_splits)
     min_blocks: int = DECODE_MIN_BLOCKS_PER_SPLIT  # fewest key blocks in a split's chunk
+    tma_max_keys: int = 0  # K and V by TMA (contiguous caches) where a split's chunk has at most this many keys
 
 
 _DECODE_INTERPRETER = DecodeConfig(block_n=32, block_m=64, num_warps=4, num_stages=1)
@@ -656,15 +657,24 @@ _DECODE_INTERPRETER = DecodeConfig(block_n=32, block_m=64, num_warps=4, num_stag
 # - 64 keys, 4 warps, 2 stages led at B = 16 (4.39 TB/s at L = 32k, 4.47 at 128k) where 3 stages gave 4.24 / 4.37.
 #   Other head dims are not measured: they keep 64 keys and take the same 2 stages (d = 256 already had 32 keys, 2
 #   stages, to leave shared memory).
+# - K and V by TMA (tensor descriptors, the copy engine zero-filling past the cache's capacity) rather than pointer
+#   loads, where a split's chunk has at most DECODE_TMA_MAX_KEYS keys (NOTES v41, ab_decode.py, graph-timed, Hq 32 /
+#   Hkv 8, two rounds, µs, pointers -> TMA): one program per SM, long tile, B = 1, L = 8k 11.6 -> 9.4, 32k 36.8 ->
+#   35.7, 128k 124.9 -> 123.4-123.8 (chunks of 8k); B = 2, 16k 37.4 -> 35.7; B = 8, 8k 66.5 -> 64.5; B = 16, 4k 64.5
+#   -> 63.4, 16k 240.5 -> 239.3; this tile, B = 32, 4k 135.5 -> 131.0, B = 64, 4k 243.7 -> 243.1; the fill tile, Hkv
+#   4, B = 1, 16k 14.1 -> 13.3. Longer chunks tied or lost: B = 16, 32k 475.3 -> 475.1, 128k 1899 -> 1905; B = 64,
+#   32k 1889 -> 1891, 128k 7538 -> 7561. The short-cache tile tied (B = 1, 4k 8.1 -> 7.8-8.3; Hq 8 / Hkv 1, B = 2, 8k
+#   8.7 both), so it keeps pointer loads and no descriptor to build. d = 128 only (others unmeasured).
+DECODE_TMA_MAX_KEYS = 16384
 _DECODE_HALF = {16: DecodeConfig(64, 64, 4, 2), 32: DecodeConfig(64, 64, 4, 2), 64: DecodeConfig(64, 64, 4, 2),
-                128: DecodeConfig(64, 64, 4, 2), 256: DecodeConfig(32, 64, 4, 2)}
+                128: DecodeConfig(64, 64, 4, 2, tma_max_keys=DECODE_TMA_MAX_KEYS), 256: DecodeConfig(32, 64, 4, 2)}
 # - A grid of at most one program per SM (B * Hkv * automatic splits <= SMs: B = 1 at any length, B = 16 at L = 4k,
 #   one split of 128 pairs) has each program alone on its SM, so it must keep more loads in flight itself: 3 stages.
 #   sweep_decode.py at 3d9bcdd (graph-timed): B = 16, L = 4k 107.8 us with 2 stages -> 66.9 us with 3 (best seen:
 #   64.4, 128 keys and 3 stages); B = 1, L = 4k 16 splits 12.3 -> 11.6 us (the former 128-key short-cache tile with 8
 #   splits: 12.4); B = 1, L = 128k 2.40 -> 3.38 TB/s at 369cefa. Over full grids 2 stages stay (above).
 _DECODE_HALF_FILL = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4, 3), 64: DecodeConfig(64, 64, 4, 3),
-                     128: DecodeConfig(64, 64, 4, 3)}
+                     128: DecodeConfig(64, 64, 4, 3, tma_max_keys=DECODE_TMA_MAX_KEYS)}
 # - Long chunks: 128-key blocks, 3 stages, and no balance splits (d = 128 only; others unmeasured).
 #   - v9 (sweep_decode.py at 943df2b, graph-timed / cold): with one program per SM and chunks of at least
 #     DECODE_MIN_BLOCKS_PER_SPLIT 128-key blocks, 128 keys per block keep twice the bytes in flight: B = 1, L = 128k
@@ -681,7 +691,7 @@ _DECODE_HALF_FILL = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4,
 #     tile's 244.4-245.2, so grids past one program per SM take it from DECODE_LONG_MIN_KEYS keys per chunk. Where
 #     the long tile's own (unbalanced) split count fills the SMs at most once, 512 keys a chunk suffice, as in the
 #     fill grids (B = 16 at 8k, B = 4 at 32k, B = 2 at 64k: between measured points, unmeasured themselves).
-_DECODE_LONG = {128: DecodeConfig(128, 64, 4, 3, balance=False)}
+_DECODE_LONG = {128: DecodeConfig(128, 64, 4, 3, balance=False, tma_max_keys=DECODE_TMA_MAX_KEYS)}
 DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the long tile's grid has more programs than SMs (4k < it <= 32k)
 # - Short caches: two programs per SM over chunks of 64-key blocks, 2 stages, no balance splits, where one program per
 #   SM (the fill split count) would leave chunks of at most DECODE_SHORT_MAX_KEYS keys and at least

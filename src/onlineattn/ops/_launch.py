@@ -343,6 +343,30 @@ def keep_launch_args(d):
     return d
 
 
+class Address:
+    """A kept descriptor's base: what a launch reads of its tensor (``data_ptr()``; ``dtype`` for the launch cache's
+    key), without a reference that would keep the tensor's memory alive."""
+
+    __slots__ = ("ptr", "dtype")
+
+    def __init__(self, ptr: int, dtype: torch.dtype):
+        self.ptr, self.dtype = ptr, dtype
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def __repr__(self) -> str:
+        return f"Address(0x{self.ptr:x}, {self.dtype})"
+
+
+def keep_by_address(d, ptr: int):
+    """Descriptor ``d`` of the tensor at ``ptr``, made fit to keep across calls over the same memory: its base becomes
+    an ``Address`` (so a kept descriptor does not keep its tensor alive) and it keeps its launcher arguments
+    (``keep_launch_args``). Returns d."""
+    d.base = Address(ptr, d.base.dtype)
+    return keep_launch_args(d)
+
+
 def _descriptor_key(d) -> tuple:
     """What Triton specialises a tensor descriptor on: base dtype, block shape, padding; a Gluon one, its layout too
     (a hashable frozen value)."""

@@ -38,23 +38,37 @@ import triton.language as tl
 
 from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
-                      packed_rows, page_and_slot, row_tile)
+                      packed_rows, page_and_slot, row_tile, tma_aligned)
 from ._configs import (DECODE_WIDE_ROWS, INTERPRETER_SMS, DecodeConfig, decode_block_m, decode_config, decode_splits,
                        merge_at_once_splits, merge_tree_node)
-from ._launch import bounded_put, cdiv, next_power_of_2, prepare
-from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets
+from ._launch import bounded_put, cdiv, keep_by_address, next_power_of_2, prepare
+from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets, descriptor
 
 
 @triton.jit
-def _load_kv_block(K, V, BLOCK_TABLE, off_bt, off_b, off_hkv, pos, m_n, o_d, o_dv, m_d, m_dv,
-                   stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE: tl.constexpr):
-    """Keys at positions ``pos [BLOCK_N]`` as ``kᵀ [BLOCK_D, BLOCK_N]`` and values ``[BLOCK_N, BLOCK_DV]``; positions
-    outside ``m_n`` read as zeros (their scores are masked by the caller)."""
-    page, slot = page_and_slot(BLOCK_TABLE, off_bt, off_b, pos, m_n, PAGE_SIZE)
-    p_kt = K + (page * stride_kp + slot * stride_ks + off_hkv * stride_kh)[None, :] + o_d[:, None]
-    p_v = V + (page * stride_vp + slot * stride_vs + off_hkv * stride_vh)[:, None] + o_dv[None, :]
-    b_kt = tl.load(p_kt, mask=m_d[:, None] & m_n[None, :], other=0.0)
-    b_v = tl.load(p_v, mask=m_n[:, None] & m_dv[None, :], other=0.0)
+def _load_kv_block(K, V, BLOCK_TABLE, off_bt, off_b, off_hkv, start_n, pos, m_n, o_d, o_dv, m_d, m_dv,
+                   stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE: tl.constexpr,
+                   USE_TMA: tl.constexpr, MASKED: tl.constexpr):
+    """Keys at positions ``pos [BLOCK_N]`` (the block from ``start_n``) as ``kᵀ [BLOCK_D, BLOCK_N]`` and values
+    ``[BLOCK_N, BLOCK_DV]``; values outside ``m_n`` read as zeros (the caller masks their scores).
+
+    With ``USE_TMA`` K and V are tensor descriptors of a contiguous cache ``[B, L_max, Hkv, D]`` (boxes of one block
+    of one head): the copy engine zero-fills past ``L_max`` only, so a masked block zeroes the values of the slots
+    past the sequence (stale or never written: they may hold NaN, and 0 · NaN is NaN)."""
+    if USE_TMA:
+        block_n: tl.constexpr = pos.shape[0]
+        b_k = K.load([off_b.to(tl.int32), start_n, off_hkv, 0])
+        b_v = V.load([off_b.to(tl.int32), start_n, off_hkv, 0])
+        b_kt = tl.trans(b_k.reshape(block_n, b_k.shape[3]))
+        b_v = b_v.reshape(block_n, b_v.shape[3])
+        if MASKED:
+            b_v = tl.where(m_n[:, None], b_v, 0.0)
+    else:
+        page, slot = page_and_slot(BLOCK_TABLE, off_bt, off_b, pos, m_n, PAGE_SIZE)
+        p_kt = K + (page * stride_kp + slot * stride_ks + off_hkv * stride_kh)[None, :] + o_d[:, None]
+        p_v = V + (page * stride_vp + slot * stride_vs + off_hkv * stride_vh)[:, None] + o_dv[None, :]
+        b_kt = tl.load(p_kt, mask=m_d[:, None] & m_n[None, :], other=0.0)
+        b_v = tl.load(p_v, mask=m_n[:, None] & m_dv[None, :], other=0.0)
     return b_kt, b_v
 
 
@@ -175,7 +189,7 @@ def decode_kernel(
     HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     SPLIT: tl.constexpr, STORE_LSE: tl.constexpr, MERGE_STAGES: tl.constexpr, MERGE_SPLITS: tl.constexpr,
     MERGE_ROWS: tl.constexpr, MERGE_TREE: tl.constexpr,
 ):
@@ -209,8 +223,9 @@ def decode_kernel(
 
     for start_n in tl.range(lo, full_hi, BLOCK_N):
         pos = start_n + o_n
-        b_kt, b_v = _load_kv_block(K, V, BLOCK_TABLE, off_bt, off_b, off_hkv, pos, pos < seqlen_k, o_d, o_dv, m_d,
-                                   m_dv, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE)
+        b_kt, b_v = _load_kv_block(K, V, BLOCK_TABLE, off_bt, off_b, off_hkv, start_n, pos, pos < seqlen_k, o_d, o_dv,
+                                   m_d, m_dv, stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh,
+                                   PAGE_SIZE, USE_TMA, False)
         qk = tl.dot(b_q, b_kt, input_precision=INPUT_PRECISION)
         p, m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, qk_scale, MASKED=False)
         acc = tl.dot(p.to(b_v.dtype), b_v, acc, input_precision=INPUT_PRECISION)
@@ -218,8 +233,9 @@ def decode_kernel(
     for start_n in range(full_hi, hi, BLOCK_N):
         pos = start_n + o_n
         m_n = pos < seqlen_k
-        b_kt, b_v = _load_kv_block(K, V, BLOCK_TABLE, off_bt, off_b, off_hkv, pos, m_n, o_d, o_dv, m_d, m_dv,
-                                   stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE)
+        b_kt, b_v = _load_kv_block(K, V, BLOCK_TABLE, off_bt, off_b, off_hkv, start_n, pos, m_n, o_d, o_dv, m_d, m_dv,
+                                   stride_kp, stride_ks, stride_kh, stride_vp, stride_vs, stride_vh, PAGE_SIZE,
+                                   USE_TMA, True)
         qk = tl.dot(b_q, b_kt, input_precision=INPUT_PRECISION)
         visible = m_n[None, :]
         if CAUSAL:
@@ -445,16 +461,39 @@ def attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table
         work, counts = scratch
     else:
         work, counts = o, cache_seqlens  # unused: stand-ins of the right kind
-    tensors = (q, k_cache, v_cache, cache_seqlens, cache_seqlens if block_table is None else block_table,
+    k_arg, v_arg = _kv_args(splits_at, k_cache, v_cache)
+    tensors = (q, k_arg, v_arg, cache_seqlens, cache_seqlens if block_table is None else block_table,
                o, o if lse is None else lse, work, counts)
     relaunch = splits_at.relaunch
     if relaunch is None or not relaunch(splits_at.grid, tensors):
         splits_at.relaunch = prepare(
             decode_kernel, splits_at.grid, len(tensors), *tensors, *splits_at.plan.strides,
             sq, new, splits_at.splits, scale * LOG2E,
-            SPLIT=splits_at.splits > 1, STORE_LSE=lse is not None, **splits_at.merge, **splits_at.plan.constexprs,
+            SPLIT=splits_at.splits > 1, STORE_LSE=lse is not None, USE_TMA=k_arg is not k_cache, **splits_at.merge,
+            **splits_at.plan.constexprs,
         )
     return o, lse
+
+
+def _kv_args(chosen: "_Splits", k_cache, v_cache) -> tuple:
+    """K and V as the kernel takes them: where ``chosen`` streams them by TMA (``_Splits.tma``) and both bases are
+    16-byte aligned, tensor descriptors (boxes of one key block of one head), on CUDA kept for the last pair of
+    caches by address, so a decode loop over the same caches builds none (the interpreter reads a descriptor's
+    tensor, so there they are built per call); otherwise the caches themselves (pointer loads)."""
+    if not chosen.tma:
+        return k_cache, v_cache
+    ptrs = (k_cache.data_ptr(), v_cache.data_ptr())
+    kept = chosen.descriptors
+    if kept is not None and kept[0] == ptrs:
+        return kept[1], kept[2]
+    if ptrs[0] % 16 or ptrs[1] % 16:  # the strides were checked when choosing
+        return k_cache, v_cache
+    c = chosen.plan.constexprs
+    k_desc = descriptor(k_cache, c["BLOCK_N"], 1, c["BLOCK_D"])
+    v_desc = descriptor(v_cache, c["BLOCK_N"], 1, c["BLOCK_DV"])
+    if k_cache.is_cuda:
+        chosen.descriptors = (ptrs, keep_by_address(k_desc, ptrs[0]), keep_by_address(v_desc, ptrs[1]))
+    return k_desc, v_desc
 
 
 def _merge_at_once(plan: _Plan, splits: int, slots: int) -> dict:
@@ -507,12 +546,14 @@ class _Splits:
     it launches with, and the ``Relaunch`` that repeats its launch with the next step's tensors. Held by the lengths
     that chose it, so a repeated step reads them without hashing a key."""
 
-    __slots__ = ("tile", "plan", "splits", "grid", "merge", "scratch", "workspaces", "relaunch")
+    __slots__ = ("tile", "plan", "splits", "grid", "merge", "scratch", "tma", "workspaces", "relaunch", "descriptors")
 
-    def __init__(self, tile: DecodeConfig, plan: _Plan, splits: int, merge: dict, scratch: tuple[int, int]):
+    def __init__(self, tile: DecodeConfig, plan: _Plan, splits: int, merge: dict, scratch: tuple[int, int],
+                 tma: bool):
         self.tile, self.plan, self.splits, self.merge, self.scratch = tile, plan, splits, merge, scratch
         self.grid = (plan.grid_bh, plan.row_blocks, splits)
-        self.workspaces, self.relaunch = {}, None
+        self.tma = tma  # K and V by TMA where the caches' bases allow (_kv_args)
+        self.workspaces, self.relaunch, self.descriptors = {}, None, None
 
 
 _STEPS: dict = {}
@@ -543,5 +584,17 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
     if chosen is None:
         merge = _merge_at_once(plan, splits, sms * config.per_sm)
         scratch = _scratch(plan, splits, merge["MERGE_SPLITS"] if merge["MERGE_TREE"] else 0)
-        chosen = step.splits[config, splits] = _Splits(config, plan, splits, merge, scratch)
+        chosen = step.splits[config, splits] = _Splits(config, plan, splits, merge, scratch,
+                                                       _tma(config, plan, k_cache, v_cache, block_table, longest,
+                                                            splits))
     return chosen
+
+
+def _tma(tile: DecodeConfig, plan: _Plan, k_cache, v_cache, block_table, longest: int, splits: int) -> bool:
+    """Whether ``tile`` streams K and V by TMA for keys up to ``longest`` in ``splits`` splits: a contiguous cache the
+    copy engine can read (``tma_aligned``; the bases are checked again per call, ``_kv_args``) in chunks of at most
+    ``tile.tma_max_keys`` keys. A cache of no slot at all keeps pointers (a descriptor has no zero-sized dim)."""
+    if block_table is not None or plan.capacity == 0 or not tile.tma_max_keys:
+        return False
+    chunk = cdiv(cdiv(longest, splits), tile.block_n) * tile.block_n
+    return chunk <= tile.tma_max_keys and tma_aligned(k_cache, v_cache)

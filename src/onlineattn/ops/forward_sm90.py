@@ -60,7 +60,7 @@ from triton.language.core import _aggregate as aggregate
 
 from ._common import LOG2E
 from . import _launch as launch_cache
-from ._launch import bounded_put, cdiv, keep_launch_args, start
+from ._launch import bounded_put, cdiv, keep_by_address, start
 
 ROWS_PER_WARPGROUP = 64
 O_COLUMNS = 128  # an O store's box width (d = 256 stores two halves: a whole-row buffer would not fit)
@@ -721,23 +721,7 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-class _Address:
-    """A kept descriptor's base: what a launch reads of its tensor (``data_ptr()``; ``dtype`` for the launch cache's
-    key), without a reference that would keep the tensor's memory alive."""
-
-    __slots__ = ("ptr", "dtype")
-
-    def __init__(self, ptr: int, dtype: torch.dtype):
-        self.ptr, self.dtype = ptr, dtype
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-    def __repr__(self) -> str:
-        return f"_Address(0x{self.ptr:x}, {self.dtype})"
-
-
-_DESCRIPTORS: dict = {}  # (address, shape, strides, dtype, box, swizzled) -> descriptor over an _Address
+_DESCRIPTORS: dict = {}  # (address, shape, strides, dtype, box, swizzled) -> descriptor over an Address
 # A training step keeps ~11 a layer (the forward's 4, the backward's 7), a few hundred bytes each: room for several
 # hundred layers before the table starts over.
 MAX_DESCRIPTORS = 8192
@@ -755,8 +739,7 @@ def descriptor(x, block: tuple, swizzled: bool = True) -> TensorDescriptor:
     kept = _DESCRIPTORS.get(key)
     if kept is None:
         kept = _build(x, block, swizzled)  # checks the geometry
-        kept.base = _Address(key[0], x.dtype)
-        bounded_put(_DESCRIPTORS, key, keep_launch_args(kept), MAX_DESCRIPTORS)
+        bounded_put(_DESCRIPTORS, key, keep_by_address(kept, key[0]), MAX_DESCRIPTORS)
     return kept
 
 
