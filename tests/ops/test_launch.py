@@ -449,8 +449,9 @@ def test_host_arithmetic_matches_triton():
 
 @pytest.fixture
 def fake_decode(monkeypatch, recorded):
-    """The recorded decode launch of the plain case, on a JITFunction whose run() is a stand-in."""
-    call_case(Case(d=128, hq=8, hkv=2, dtype=torch.bfloat16))
+    """The recorded decode launch of the plain case, on a JITFunction whose run() is a stand-in (d = 64: pointer
+    loads, so every array is a tensor; d = 128's tiles pass tensor descriptors of the caches)."""
+    call_case(Case(d=64, hq=8, hkv=2, dtype=torch.bfloat16))
     kernel, grid, args, kwargs = next(c for c in recorded if c[0].fn.__name__ == "decode_kernel")
     jit = JITFunction(kernel.fn)
     runs = []
