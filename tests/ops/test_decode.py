@@ -9,6 +9,7 @@ causal attention over the whole sequence, for contiguous and paged caches (rando
 import dataclasses
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -420,7 +421,8 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
     """_choose counts splits with the chosen tile's balance: the long tile fills the SMs and no more (B = 64, 128k:
     one split; B = 8, 32k: two), the 64-key tile of a full grid keeps its balance splits (B = 64, 4k: one; with
     64-key blocks at 32k, eight), and the short-cache tile fills two programs per SM, no more splits than its at-once
-    merge holds. Zero-stride caches stand in for the long ones (nothing is launched)."""
+    merge holds; each length's chunks decide TMA, whatever length the step saw first. Caches on the meta device stand
+    in for the long ones (nothing is launched); expanded ones (zero strides) keep pointer loads."""
     monkeypatch.setattr(D, "_sm_count", lambda device: 132)
     monkeypatch.setattr(D, "decode_config", lambda d, dv, dtype, device_type, **kw: C.decode_config(
         d, dv, dtype, "cuda", **kw))
@@ -436,11 +438,20 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
             (2, 32, 1, 32768, dataclasses.replace(LONG, block_m=16), 33),
             (2, 32, 8, 2048, FILL, 8), (1, 64, 8, 4096, FILL, 16)):
         q = torch.zeros(b, 1, hq, 128, dtype=torch.bfloat16)
-        cache = torch.zeros(1, 1, hkv, 128, dtype=torch.bfloat16).expand(b, length, hkv, 128)
+        cache = torch.empty(b, length, hkv, 128, dtype=torch.bfloat16, device="meta")
         chosen = D._choose(D._Step(), q, cache, cache, None, False, length, 0, None)
         assert (chosen.tile, chosen.splits) == (tile, splits), (b, hq, hkv, length)
-        chunk = -(-length // splits)  # in whole blocks, as the kernel cuts them: the lengths here are multiples
-        assert chosen.tma == (0 < chunk <= tile.tma_max_keys), (b, hq, hkv, length)  # B = 64, 128k: pointers
+        chunk = -(-(-(-length // splits)) // tile.block_n) * tile.block_n  # whole blocks, as the kernel cuts them
+        assert chosen.tma == (chunk <= tile.tma_max_keys), (b, hq, hkv, length)  # B = 64, 128k: pointers
+        expanded = cache[:1, :1].expand(b, length, hkv, 128)
+        assert not D._choose(D._Step(), q, expanded, expanded, None, False, length, 0, None).tma
+    # B = 16 at 4k and at 128k both take the long tile unsplit: TMA at 4k-key chunks, pointers at 128k, either order
+    q = torch.zeros(16, 1, 32, 128, dtype=torch.bfloat16)
+    cache = torch.empty(16, 131072, 8, 128, dtype=torch.bfloat16, device="meta")
+    for lengths in ((4096, 131072), (131072, 4096)):
+        step = D._Step()
+        chosen = [D._choose(step, q, cache, cache, None, False, length, 0, None) for length in lengths]
+        assert [(c.tile, c.splits, c.tma) for c in chosen] == [(LONG, 1, length <= TMA) for length in lengths]
         if tile.per_sm > 1:
             assert D._merge_at_once(chosen.plan, chosen.splits, 132 * tile.per_sm)["MERGE_SPLITS"]
     q = torch.zeros(64, 1, 32, 128, dtype=torch.bfloat16)
@@ -615,31 +626,39 @@ def test_tma_and_pointer_loads_agree(sq, num_splits, dtype, monkeypatch):
 
 
 def test_tma_needs_aligned_bases(monkeypatch):
-    """Two caches of the same shape and strides, one at a 16-byte aligned address and one 4 bytes past it: the
-    launcher keeps descriptors for the aligned pair and takes pointer loads for the other (the copy engine cannot
-    read it), each call right, and goes back to the kept descriptors."""
+    """Two caches of the same shape and strides but different values, one at a 16-byte aligned address and one 4
+    bytes past it: the launcher hands the kernel descriptors of the aligned pair (kept on CUDA) and the shifted
+    caches themselves (pointer loads: the copy engine cannot read them), each call right against its own values, and
+    goes back to the aligned pair's descriptors."""
     monkeypatch.setattr(D, "_STEPS", {})
-    built = []
-    monkeypatch.setattr(D, "descriptor", lambda x, *box: built.append(x.data_ptr()) or descriptor(x, *box))
+    handed = []
+    real_kv_args = D._kv_args
+    monkeypatch.setattr(D, "_kv_args", lambda *args: handed.append(real_kv_args(*args)) or handed[-1])
     b, hq, hkv, d, n = 2, 4, 2, 16, 40
-    q, k, v = _sequence(b, n, hq, hkv, d, d, torch.float32, seed=5)
     room = torch.zeros(2, 2, b * n * hkv * d + 4, device=DEVICE)  # per shift, K's and V's
-    caches = {}
+    q, caches, exact = None, {}, {}
     for shift in (0, 1):
+        q, k, v = _sequence(b, n, hq, hkv, d, d, torch.float32, seed=5 + shift)
         k_cache, v_cache = (room[shift, i, shift : shift + k.numel()].view(k.shape) for i in (0, 1))
         k_cache.copy_(k), v_cache.copy_(v)
         caches[shift] = k_cache, v_cache
     assert caches[0][0].data_ptr() % 16 == 0 and caches[1][0].data_ptr() % 16 == 4
     tile = dataclasses.replace(C.decode_config(d, d, torch.float32, DEVICE), tma_max_keys=1 << 20)
     lens = torch.tensor([n, 9], dtype=torch.int32, device=DEVICE)
-    exact = R.kvcache_attention(q[:, :1], k, v, cache_seqlens=lens)
-    aligned = [caches[0][0].data_ptr(), caches[0][1].data_ptr()]
-    for shift, builds in ((0, aligned), (1, aligned), (0, aligned if DEVICE == "cuda" else 2 * aligned)):
+    for shift in (0, 1):
+        exact[shift] = R.kvcache_attention(q[:, :1], *caches[shift], cache_seqlens=lens)
+    assert not np.allclose(exact[0][0], exact[1][0])
+    for shift in (0, 1, 0):
         o, lse = D.attention_with_kvcache(q[:, :1], *caches[shift], None, None, lens, None, d**-0.5, False, 2,
                                           config=tile)
-        R.assert_within_rule("o", o, exact[0], dtype_name="float32")
+        R.assert_within_rule("o", o, exact[shift][0], dtype_name="float32")
         ((step,),) = [list(s.lengths.values()) for s in D._STEPS.values()]
-        assert step.tma and built == builds  # the shifted pair builds none; on CUDA the aligned pair's are kept
+        k_arg, v_arg = handed[-1]
+        assert step.tma and (k_arg is caches[1][0] and v_arg is caches[1][1]) == (shift == 1)
+        if shift == 0:
+            assert [x.base.data_ptr() for x in (k_arg, v_arg)] == [x.data_ptr() for x in caches[0]]
+    if DEVICE == "cuda":  # the aligned pair's descriptors, kept: the same objects both times
+        assert handed[0][0] is handed[2][0] and handed[0][1] is handed[2][1]
 
 
 def _check_decode_rows(q, k, v, o, lse, lengths, dtype):

@@ -8,6 +8,8 @@ as ``run`` computes it. benchmarks/probe_launch.py ``check`` replays the same ca
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -436,6 +438,19 @@ def test_interpreted_kernels_take_run():
     if not knobs.runtime.interpret:
         pytest.skip("the kernels are compiled here (TRITON_INTERPRET is not set), not interpreted")
     assert _launch.bind(forward.attention_fwd_kernel, (), {}) is None
+
+
+def test_kept_descriptor_holds_no_reference_to_its_tensor():
+    """keep_by_address: the descriptor's base becomes the tensor's address and dtype (all a launch and the cache key
+    read of it), so a kept descriptor (the decode step's caches, forward_sm90's) does not keep the memory alive."""
+    x = torch.zeros(2, 32, 2, 16)
+    ptr, alive = x.data_ptr(), weakref.ref(x)
+    d = _launch.keep_by_address(TensorDescriptor.from_tensor(x, [1, 16, 1, 16]), ptr)
+    assert d.base.data_ptr() == ptr and d.launch_args == {}
+    assert _launch._descriptor_key(d) == (torch.float32, (1, 16, 1, 16), "zero", None)
+    del x
+    gc.collect()
+    assert alive() is None
 
 
 def test_host_arithmetic_matches_triton():

@@ -664,7 +664,9 @@ _DECODE_INTERPRETER = DecodeConfig(block_n=32, block_m=64, num_warps=4, num_stag
 #   -> 63.4, 16k 240.5 -> 239.3; this tile, B = 32, 4k 135.5 -> 131.0, B = 64, 4k 243.7 -> 243.1; the fill tile, Hkv
 #   4, B = 1, 16k 14.1 -> 13.3. Longer chunks tied or lost: B = 16, 32k 475.3 -> 475.1, 128k 1899 -> 1905; B = 64,
 #   32k 1889 -> 1891, 128k 7538 -> 7561. The short-cache tile tied (B = 1, 4k 8.1 -> 7.8-8.3; Hq 8 / Hkv 1, B = 2, 8k
-#   8.7 both), so it keeps pointer loads and no descriptor to build. d = 128 only (others unmeasured).
+#   8.7 both), so it keeps pointer loads and no descriptor to build. Measured at d = 128; the d = 128 tables serve
+#   head dims 65-128, whose narrower rows the copy engine pads with zeros in the box (tested, not timed); other
+#   tables keep pointers. Devices without TMA (before sm_90) keep pointers too (decode._tma).
 DECODE_TMA_MAX_KEYS = 16384
 _DECODE_HALF = {16: DecodeConfig(64, 64, 4, 2), 32: DecodeConfig(64, 64, 4, 2), 64: DecodeConfig(64, 64, 4, 2),
                 128: DecodeConfig(64, 64, 4, 2, tma_max_keys=DECODE_TMA_MAX_KEYS), 256: DecodeConfig(32, 64, 4, 2)}

@@ -27,6 +27,7 @@ their storage size as well) and a Triton other than 3.6 (the hit path uses its l
 
 from __future__ import annotations
 
+import functools
 import os
 from operator import itemgetter
 
@@ -420,6 +421,19 @@ def _cuda_target(device) -> bool:
     if ok is None:
         ok = _CUDA_TARGET[device] = driver.active.get_current_target().backend == "cuda"
     return ok
+
+
+def sm_count(device: torch.device, off_cuda: int) -> int:
+    """The SMs of a CUDA device (by its index, or the current device's where it has none), or ``off_cuda`` for
+    tensors elsewhere: a stand-in the caller's grids are sized for (the interpreter's, compile-only runs')."""
+    if device.type != "cuda":
+        return off_cuda
+    return _sm_count_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count_of(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 # Grid and block arithmetic for the launchers. triton.cdiv and triton.next_power_of_2 are constexpr functions in

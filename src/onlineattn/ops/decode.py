@@ -38,10 +38,10 @@ import triton.language as tl
 
 from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
-                      packed_rows, page_and_slot, row_tile, tma_aligned)
+                      packed_rows, page_and_slot, row_tile)
 from ._configs import (DECODE_WIDE_ROWS, INTERPRETER_SMS, DecodeConfig, decode_block_m, decode_config, decode_splits,
                        merge_at_once_splits, merge_tree_node)
-from ._launch import bounded_put, cdiv, keep_by_address, next_power_of_2, prepare
+from ._launch import bounded_put, cdiv, keep_by_address, next_power_of_2, prepare, sm_count
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets, descriptor
 
 
@@ -295,11 +295,9 @@ def decode_kernel(
 # strides is computed once (``_plan``) and the split scratch is allocated once per size (``_workspace``).
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=None)  # per device (a tensor's has its index): the eager step's one lookup
 def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device, INTERPRETER_SMS)
 
 
 # The merge loop's pipelining (NOTES v9: B = 1, L = 4k 17.9 -> 17.3 us cold at d = 128, one query token: 16 rows x
@@ -533,7 +531,7 @@ def _scratch(plan: _Plan, splits: int, node: int) -> tuple[int, int]:
 
 class _Step:
     """What decode calls of one metadata have chosen: per longest length the ``_Splits`` that ``_choose`` gave (one
-    per (tile, split count), shared by the lengths that chose it) and per tile its plan."""
+    per (tile, split count, TMA or not), shared by the lengths that chose it) and per tile its plan."""
 
     __slots__ = ("lengths", "plans", "splits")
 
@@ -542,9 +540,10 @@ class _Step:
 
 
 class _Splits:
-    """One (tile, split count) of a step: its plan, grid, merge constexprs and scratch sizes, per stream the scratch
-    it launches with, and the ``Relaunch`` that repeats its launch with the next step's tensors. Held by the lengths
-    that chose it, so a repeated step reads them without hashing a key."""
+    """One (tile, split count, TMA or not) of a step: its plan, grid, merge constexprs and scratch sizes, per stream
+    the scratch it launches with, the ``Relaunch`` that repeats its launch with the next step's tensors, and the
+    caches' kept descriptors. Held by the lengths that chose it, so a repeated step reads them without hashing a
+    key."""
 
     __slots__ = ("tile", "plan", "splits", "grid", "merge", "scratch", "tma", "workspaces", "relaunch", "descriptors")
 
@@ -580,21 +579,30 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
     splits = num_splits or decode_splits(config, plan.grid_bh * plan.row_blocks, longest, sms, plan.block_rows,
                                          plan.constexprs["BLOCK_DV"])
     splits = max(1, min(splits, cdiv(longest, config.block_n)))  # more would only add empty chunks
-    chosen = step.splits.get((config, splits))
+    tma = _tma(config, plan, k_cache, v_cache, block_table, longest, splits)  # per length: its chunks decide
+    chosen = step.splits.get((config, splits, tma))
     if chosen is None:
         merge = _merge_at_once(plan, splits, sms * config.per_sm)
         scratch = _scratch(plan, splits, merge["MERGE_SPLITS"] if merge["MERGE_TREE"] else 0)
-        chosen = step.splits[config, splits] = _Splits(config, plan, splits, merge, scratch,
-                                                       _tma(config, plan, k_cache, v_cache, block_table, longest,
-                                                            splits))
+        chosen = step.splits[config, splits, tma] = _Splits(config, plan, splits, merge, scratch, tma)
     return chosen
 
 
 def _tma(tile: DecodeConfig, plan: _Plan, k_cache, v_cache, block_table, longest: int, splits: int) -> bool:
-    """Whether ``tile`` streams K and V by TMA for keys up to ``longest`` in ``splits`` splits: a contiguous cache the
-    copy engine can read (``tma_aligned``; the bases are checked again per call, ``_kv_args``) in chunks of at most
-    ``tile.tma_max_keys`` keys. A cache of no slot at all keeps pointers (a descriptor has no zero-sized dim)."""
+    """Whether ``tile`` streams K and V by TMA for keys up to ``longest`` in ``splits`` splits: chunks of at most
+    ``tile.tma_max_keys`` keys of a contiguous cache that the copy engine reads (a device with TMA, or the
+    interpreter; outer strides positive 16-byte multiples: an expanded cache's zero strides keep pointers; the bases
+    are checked per call, ``_kv_args``). A cache of no slot at all keeps pointers (a descriptor has no zero-sized
+    dim)."""
     if block_table is not None or plan.capacity == 0 or not tile.tma_max_keys:
         return False
     chunk = cdiv(cdiv(longest, splits), tile.block_n) * tile.block_n
-    return chunk <= tile.tma_max_keys and tma_aligned(k_cache, v_cache)
+    strides_ok = all(0 < st * x.element_size() and st * x.element_size() % 16 == 0
+                     for x in (k_cache, v_cache) for st in x.stride()[:-1])
+    return chunk <= tile.tma_max_keys and strides_ok and _has_tma(k_cache.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    """The copy engine's tensor maps: sm_90 and later (off CUDA: the interpreter, which emulates them)."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
