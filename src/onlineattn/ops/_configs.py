@@ -867,10 +867,16 @@ def _tree_levels(splits: int, node: int, max_seqlen_k: int, block_n: int) -> int
     fewer = 1
     while fewer * node < splits:
         fewer *= node
-    chunk = lambda n: cdiv(cdiv(max_seqlen_k, n), block_n) * block_n  # noqa: E731 (the kernel's chunk)
-    if fewer > 1 and chunk(fewer) - chunk(splits) <= DECODE_TREE_LEVEL_KEYS:
+    more = decode_chunk(max_seqlen_k, fewer, block_n) - decode_chunk(max_seqlen_k, splits, block_n)
+    if fewer > 1 and more <= DECODE_TREE_LEVEL_KEYS:
         return fewer
     return splits
+
+
+def decode_chunk(keys: int, splits: int, block_n: int) -> int:
+    """The keys of one split's chunk as the decode kernel cuts ``keys`` keys into ``splits``: whole ``block_n``-key
+    blocks."""
+    return cdiv(cdiv(keys, splits), block_n) * block_n
 
 
 # The merging split's one load of every partial (decode.py): split count and packed rows padded to powers of two,
