@@ -421,8 +421,9 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
     """_choose counts splits with the chosen tile's balance: the long tile fills the SMs and no more (B = 64, 128k:
     one split; B = 8, 32k: two), the 64-key tile of a full grid keeps its balance splits (B = 64, 4k: one; with
     64-key blocks at 32k, eight), and the short-cache tile fills two programs per SM, no more splits than its at-once
-    merge holds; each length's chunks decide TMA, whatever length the step saw first. Caches on the meta device stand
-    in for the long ones (nothing is launched); expanded ones (zero strides) keep pointer loads."""
+    merge holds; each length's chunks decide TMA, whatever length the step saw first, but head-major caches take it
+    at any chunk. Caches on the meta device stand in for the long ones (nothing is launched); expanded ones (zero
+    strides) keep pointer loads."""
     monkeypatch.setattr(D, "_sm_count", lambda device: 132)
     monkeypatch.setattr(D, "decode_config", lambda d, dv, dtype, device_type, **kw: C.decode_config(
         d, dv, dtype, "cuda", **kw))
@@ -443,8 +444,13 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
         assert (chosen.tile, chosen.splits) == (tile, splits), (b, hq, hkv, length)
         chunk = -(-(-(-length // splits)) // tile.block_n) * tile.block_n  # whole blocks, as the kernel cuts them
         assert chosen.tma == (chunk <= tile.tma_max_keys), (b, hq, hkv, length)  # B = 64, 128k: pointers
+        if tile.per_sm > 1:
+            assert D._merge_at_once(chosen.plan, chosen.splits, 132 * tile.per_sm)["MERGE_SPLITS"]
         expanded = cache[:1, :1].expand(b, length, hkv, 128)
         assert not D._choose(D._Step(), q, expanded, expanded, None, False, length, 0, None).tma
+        head_major = torch.empty(b, hkv, length, 128, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+        by_heads = D._choose(D._Step(), q, head_major, head_major, None, False, length, 0, None)
+        assert (by_heads.tile, by_heads.splits, by_heads.tma) == (tile, splits, tile.tma_max_keys > 0)  # any chunk
     # B = 16 at 4k and at 128k both take the long tile unsplit: TMA at 4k-key chunks, pointers at 128k, either order
     q = torch.zeros(16, 1, 32, 128, dtype=torch.bfloat16)
     cache = torch.empty(16, 131072, 8, 128, dtype=torch.bfloat16, device="meta")
@@ -452,8 +458,6 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
         step = D._Step()
         chosen = [D._choose(step, q, cache, cache, None, False, length, 0, None) for length in lengths]
         assert [(c.tile, c.splits, c.tma) for c in chosen] == [(LONG, 1, length <= TMA) for length in lengths]
-        if tile.per_sm > 1:
-            assert D._merge_at_once(chosen.plan, chosen.splits, 132 * tile.per_sm)["MERGE_SPLITS"]
     q = torch.zeros(64, 1, 32, 128, dtype=torch.bfloat16)
     cache = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16).expand(64, 32768, 8, 128)
     chosen = D._choose(D._Step(), q, cache, cache, None, False, 32768, 0, C.DecodeConfig(64, 64, 4, 2))

@@ -590,10 +590,11 @@ def _choose(step: _Step, q, k_cache, v_cache, block_table, causal: bool, longest
 
 def _tma(tile: DecodeConfig, plan: _Plan, k_cache, v_cache, block_table, longest: int, splits: int) -> bool:
     """Whether ``tile`` streams K and V by TMA for keys up to ``longest`` in ``splits`` splits: chunks of at most
-    ``tile.tma_max_keys`` keys of a contiguous cache that the copy engine reads (a device with TMA, or the
-    interpreter; outer strides positive 16-byte multiples: an expanded cache's zero strides keep pointers; the bases
-    are checked per call, ``_kv_args``). A cache of no slot at all keeps pointers (a descriptor has no zero-sized
-    dim)."""
+    ``tile.tma_max_keys`` keys, or chunks of any length where each head's keys lie next to each other (head-major
+    memory, ``[B, Hkv, L, D]`` viewed as ``[B, L, Hkv, D]``, or one kv head), of a contiguous cache that the copy
+    engine reads (a device with TMA, or the interpreter; outer strides positive 16-byte multiples: an expanded
+    cache's zero strides keep pointers; the bases are checked per call, ``_kv_args``). A cache of no slot at all
+    keeps pointers (a descriptor has no zero-sized dim)."""
     if block_table is not None or plan.capacity == 0 or not tile.tma_max_keys:
         return False
     chunk = decode_chunk(longest, splits, tile.block_n)
@@ -601,7 +602,8 @@ def _tma(tile: DecodeConfig, plan: _Plan, k_cache, v_cache, block_table, longest
     # call, where a helper call per tensor measured ~0.3 µs more (CPU, timeit), and this runs once per length
     strides_ok = all(0 < st * x.element_size() and st * x.element_size() % 16 == 0
                      for x in (k_cache, v_cache) for st in x.stride()[:-1])
-    return chunk <= tile.tma_max_keys and strides_ok and _has_tma(k_cache.device)
+    head_major = all(x.stride(1) == x.shape[3] for x in (k_cache, v_cache))
+    return (chunk <= tile.tma_max_keys or head_major) and strides_ok and _has_tma(k_cache.device)
 
 
 @functools.lru_cache(maxsize=None)
