@@ -629,6 +629,33 @@ def test_tma_and_pointer_loads_agree(sq, num_splits, dtype, monkeypatch):
     R.assert_within_rule("lse", outs[0][1], exact[1], base_o[1], _name(dtype))
 
 
+def test_head_major_caches_take_tma_at_any_chunk(monkeypatch):
+    """Head-major caches (``[B, Hkv, L, D]`` memory viewed as ``[B, L, Hkv, D]``: each head's keys adjacent) stream
+    chunks longer than the tile's ``tma_max_keys`` by TMA, where flash-attn's layout of the same values keeps
+    pointer loads; both give the same bits and the oracle's answer (NaN past each length)."""
+    monkeypatch.setattr(D, "_STEPS", {})
+    b, hq, hkv, d, capacity = 2, 4, 2, 32, 200
+    q, k, v = _sequence(b, capacity, hq, hkv, d, d, torch.float32, seed=11)
+    lens = torch.tensor([200, 131], dtype=torch.int32, device=DEVICE)
+    by_heads = [torch.full((b, hkv, capacity, d), float("nan"), device=DEVICE).transpose(1, 2) for _ in range(2)]
+    for i, n in enumerate(lens.tolist()):
+        by_heads[0][i, :n], by_heads[1][i, :n] = k[i, :n], v[i, :n]
+    flash_layout = [x.contiguous() for x in by_heads]
+    tile = dataclasses.replace(C.decode_config(d, d, torch.float32, DEVICE), tma_max_keys=64)  # one split: 200 keys
+    outs = {}
+    for name, (k_cache, v_cache) in (("head-major", by_heads), ("flash-attn", flash_layout)):
+        outs[name] = D.attention_with_kvcache(q[:, :1], k_cache, v_cache, None, None, lens, None, d**-0.5, False, 1,
+                                              config=tile)
+        ((chosen,),) = [list(step.lengths.values()) for step in D._STEPS.values()]
+        D._STEPS.clear()
+        assert chosen.tma == (name == "head-major"), name
+    for a, b_ in zip(outs["head-major"], outs["flash-attn"]):
+        assert torch.equal(a, b_)
+    exact = R.kvcache_attention(q[:, :1].double(), *(x.double() for x in flash_layout), cache_seqlens=lens)
+    base_o = R.kvcache_attention(q[:, :1], *flash_layout, cache_seqlens=lens)
+    _check(*outs["head-major"], exact[0], exact[1], base_o[0], base_o[1], torch.float32)
+
+
 def test_tma_needs_aligned_bases(monkeypatch):
     """Two caches of the same shape and strides but different values, one at a 16-byte aligned address and one 4
     bytes past it: the launcher hands the kernel descriptors of the aligned pair (kept on CUDA) and the shifted
