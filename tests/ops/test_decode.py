@@ -629,31 +629,57 @@ def test_tma_and_pointer_loads_agree(sq, num_splits, dtype, monkeypatch):
     R.assert_within_rule("lse", outs[0][1], exact[1], base_o[1], _name(dtype))
 
 
-def test_head_major_caches_take_tma_at_any_chunk(monkeypatch):
-    """Head-major caches (``[B, Hkv, L, D]`` memory viewed as ``[B, L, Hkv, D]``: each head's keys adjacent) stream
-    chunks longer than the tile's ``tma_max_keys`` by TMA, where flash-attn's layout of the same values keeps
-    pointer loads; both give the same bits and the oracle's answer (NaN past each length)."""
+HEAD_MAJOR_LAYOUTS = [  # (name, head dim, kv heads, K head-major, V head-major, TMA at a long chunk)
+    ("head-major", 32, 2, True, True, True),
+    ("flash-attn", 32, 2, False, False, False),
+    ("one-kv-head", 32, 1, False, False, True),  # flash-attn's layout, but each head's keys are adjacent
+    ("k-only", 32, 2, True, False, False),
+    ("unaligned-rows", 34, 2, True, True, False),  # 136-byte keys: the copy engine takes 16-byte multiples only
+]
+
+
+@pytest.mark.parametrize("name,d,hkv,k_by_heads,v_by_heads,tma", HEAD_MAJOR_LAYOUTS, ids=[c[0] for c in
+                                                                                            HEAD_MAJOR_LAYOUTS])
+def test_head_major_caches_take_tma_at_any_chunk(name, d, hkv, k_by_heads, v_by_heads, tma, monkeypatch):
+    """Caches whose heads' keys are adjacent (``[B, Hkv, L, D]`` memory viewed as ``[B, L, Hkv, D]``, or one kv head)
+    stream chunks longer than the tile's ``tma_max_keys`` by TMA (descriptors handed to the kernel); flash-attn's
+    layout, one cache of each kind, or strides the copy engine cannot take keep pointer loads. Every layout gives
+    the bits of flash-attn's layout through pointer loads, and the oracle's answer (NaN past each length)."""
     monkeypatch.setattr(D, "_STEPS", {})
-    b, hq, hkv, d, capacity = 2, 4, 2, 32, 200
+    built = []
+    monkeypatch.setattr(D, "descriptor", lambda x, *box: built.append(box) or descriptor(x, *box))
+    b, hq, capacity = 2, 4, 200
     q, k, v = _sequence(b, capacity, hq, hkv, d, d, torch.float32, seed=11)
     lens = torch.tensor([200, 131], dtype=torch.int32, device=DEVICE)
-    by_heads = [torch.full((b, hkv, capacity, d), float("nan"), device=DEVICE).transpose(1, 2) for _ in range(2)]
-    for i, n in enumerate(lens.tolist()):
-        by_heads[0][i, :n], by_heads[1][i, :n] = k[i, :n], v[i, :n]
-    flash_layout = [x.contiguous() for x in by_heads]
     tile = dataclasses.replace(C.decode_config(d, d, torch.float32, DEVICE), tma_max_keys=64)  # one split: 200 keys
-    outs = {}
-    for name, (k_cache, v_cache) in (("head-major", by_heads), ("flash-attn", flash_layout)):
-        outs[name] = D.attention_with_kvcache(q[:, :1], k_cache, v_cache, None, None, lens, None, d**-0.5, False, 1,
-                                              config=tile)
+
+    def caches(k_heads, v_heads):
+        out = []
+        for x, by_heads in ((k, k_heads), (v, v_heads)):
+            c = torch.full((b, hkv, capacity, d) if by_heads else (b, capacity, hkv, d), float("nan"), device=DEVICE)
+            c = c.transpose(1, 2) if by_heads else c
+            for i, n in enumerate(lens.tolist()):
+                c[i, :n] = x[i, :n]
+            out.append(c)
+        return out
+
+    def run(k_cache, v_cache, config):
+        o = D.attention_with_kvcache(q[:, :1], k_cache, v_cache, None, None, lens, None, d**-0.5, False, 1,
+                                     config=config)
         ((chosen,),) = [list(step.lengths.values()) for step in D._STEPS.values()]
         D._STEPS.clear()
-        assert chosen.tma == (name == "head-major"), name
-    for a, b_ in zip(outs["head-major"], outs["flash-attn"]):
+        return o, chosen
+
+    flash_layout = caches(False, False)
+    want, pointers = run(*flash_layout, dataclasses.replace(tile, tma_max_keys=0))  # a tile without TMA
+    assert not pointers.tma and not built
+    got, chosen = run(*caches(k_by_heads, v_by_heads), tile)
+    assert chosen.tma == tma and len(built) == (2 if tma else 0), name
+    for a, b_ in zip(got, want):
         assert torch.equal(a, b_)
     exact = R.kvcache_attention(q[:, :1].double(), *(x.double() for x in flash_layout), cache_seqlens=lens)
     base_o = R.kvcache_attention(q[:, :1], *flash_layout, cache_seqlens=lens)
-    _check(*outs["head-major"], exact[0], exact[1], base_o[0], base_o[1], torch.float32)
+    _check(*got, exact[0], exact[1], base_o[0], base_o[1], torch.float32)
 
 
 def test_tma_needs_aligned_bases(monkeypatch):

@@ -667,10 +667,12 @@ _DECODE_INTERPRETER = DecodeConfig(block_n=32, block_m=64, num_warps=4, num_stag
 #   8.7 both), so it keeps pointer loads and no descriptor to build. Measured at d = 128; the d = 128 tables serve
 #   head dims 65-128, whose narrower rows the copy engine pads with zeros in the box (tested, not timed); other
 #   tables keep pointers. Devices without TMA (before sm_90) keep pointers too (decode._tma).
-#   The longer chunks lose in flash-attn's layout only, where a head's keys are 256 bytes every Hkv * 256: over
-#   head-major caches (each head's keys adjacent, SDPA's layout, as views) TMA led at every length (NOTES v41,
-#   `ab_decode.py --head-major`, B = 16, pointers -> TMA: 128k 1881.0-1881.2 -> 1872.5-1872.8, 32k 477.4 -> 475.3,
-#   4k 64.6-64.7 -> 63.7), so decode._tma takes it there at any chunk.
+#   The longer chunks lost in flash-attn's layout, where a head's keys are 256 bytes every Hkv * 256: over
+#   head-major caches (each head's keys adjacent, SDPA's layout, as views) TMA led at each length measured (NOTES
+#   v41, `ab_decode.py --head-major`, one process, B = 16, pointers -> TMA: 128k 1881.0-1881.2 -> 1872.5-1872.8, 32k
+#   477.4 -> 475.3, 4k 64.6-64.7 -> 63.7), so decode._tma takes it there at any chunk. Other batch sizes (B = 64 at
+#   32k and 128k, where flash-attn's layout lost 0.3 % by TMA) are unmeasured; v42's re-timing in another call read
+#   1880.8-1881.0 at 128k with no pointer build beside it (not an A/B).
 DECODE_TMA_MAX_KEYS = 16384
 _DECODE_HALF = {16: DecodeConfig(64, 64, 4, 2), 32: DecodeConfig(64, 64, 4, 2), 64: DecodeConfig(64, 64, 4, 2),
                 128: DecodeConfig(64, 64, 4, 2, tma_max_keys=DECODE_TMA_MAX_KEYS), 256: DecodeConfig(32, 64, 4, 2)}
