@@ -21,7 +21,7 @@ from onlineattn.ops.forward import descriptor
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.gpu
-LAYOUTS = ["contiguous", "paged16", "paged256"]
+LAYOUTS = ["contiguous", "head-major", "paged16", "paged256"]  # head-major: [B, Hkv, L, D] memory as [B, L, Hkv, D]
 
 
 def _name(dtype):
@@ -38,11 +38,13 @@ def _sequence(b, n, hq, hkv, d, dv, dtype, *, seed, q_scale=1.0, device=DEVICE):
 
 def _cache(layout, b, capacity, hkv, d, dv, dtype, *, seed, device=DEVICE):
     """Empty caches for ``b`` sequences of up to ``capacity`` tokens, filled with NaN so that reading a slot that was
-    never written poisons the result. Paged layouts draw a random block table over a pool with spare pages; two
-    extra columns hold -1, which is fine because no sequence reaches them."""
+    never written poisons the result. Head-major caches are strided views. Paged layouts draw a random block table
+    over a pool with spare pages; two extra columns hold -1, which is fine because no sequence reaches them."""
     nan = lambda *shape: torch.full(shape, float("nan"), dtype=dtype, device=device)
     if layout == "contiguous":
         return nan(b, capacity, hkv, d), nan(b, capacity, hkv, dv), None
+    if layout == "head-major":  # SDPA's layout as views: each head's keys adjacent (the TMA rule's other case)
+        return nan(b, hkv, capacity, d).transpose(1, 2), nan(b, hkv, capacity, dv).transpose(1, 2), None
     page = int(layout.removeprefix("paged"))
     per_seq = -(-capacity // page)
     pool = b * per_seq + 3
