@@ -14,7 +14,8 @@ host, this is why); ``eager``, the bench's default timing (``do_bench`` after th
 no_grad), which times the host wherever the host takes longer than do_bench's L2 clear and the call. ``--causal``
 passes ``causal=True`` (one query token: the same result; the launcher picks its causal build where that reads
 faster). ``--set NAME=VALUE`` overrides an integer of ``onlineattn.ops._configs`` for this process (a rule's
-threshold, for example ``MERGE_TREE_MAX_ROWS=32``); ``--splits`` forces a split count. Each line also names the
+threshold, for example ``MERGE_TREE_MAX_ROWS=32``); ``--splits`` forces a split count; ``--no-tma`` keeps pointer
+loads wherever the launcher would stream K and V by TMA. Each line also names the
 tile, split count and merge the launcher chose.
 """
 
@@ -77,7 +78,10 @@ def main() -> None:
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--head-major", action="store_true",
                    help="our caches as views of [B, Hkv, L, d] memory (SDPA's layout) instead of [B, L, Hkv, d]")
+    p.add_argument("--no-tma", action="store_true", help="pointer loads wherever the launcher would take TMA")
     args = p.parse_args()
+    if args.no_tma:
+        D._tma = lambda *_: False
     for item in args.set:
         name, value = item.split("=")
         if type(getattr(C, name, None)) is not int:  # not a bool flag, not a missing name

@@ -381,13 +381,62 @@ def test_kvcache_bad_argument_after_a_passing_call(arg, value, exc, shown):
     _raises(exc, arg, _kvcall(t, **{arg: value}), *shown)
 
 
+def _counted(monkeypatch, module, checks: str, memo: str) -> list:
+    """Count the calls of ``module.checks`` (each appends to the list returned), its memo ``module.memo`` emptied."""
+    calls = []
+    full = getattr(module, checks)
+    monkeypatch.setattr(module, checks, lambda *a: calls.append(1) or full(*a))
+    monkeypatch.setattr(module, memo, {})
+    return calls
+
+
+@pytest.mark.parametrize(
+    "good,bad,exc,shown",
+    [
+        (dict(causal=True), dict(causal=1), TypeError, ["int"]),
+        (dict(return_lse=False), dict(return_lse=0), TypeError, ["int"]),
+        (dict(check_indices=True), dict(check_indices=1.0), TypeError, ["float"]),
+        (dict(num_splits=1), dict(num_splits=True), TypeError, ["bool"]),
+        (dict(num_splits=2), dict(num_splits=2.0), TypeError, ["float"]),
+        (dict(softmax_scale=1), dict(softmax_scale=True), TypeError, ["bool"]),
+        (dict(softmax_scale=0.5), dict(softmax_scale=np.float32(0.5)), TypeError, ["float32"]),
+        (dict(causal=True), dict(causal=[True]), TypeError, ["list"]),
+    ],
+    ids=["causal-int", "lse-int", "indices-float", "splits-bool", "splits-float", "scale-bool", "scale-numpy",
+         "causal-unhashable"],
+)
+def test_kvcache_keywords_equal_to_passing_ones_are_still_checked(good, bad, exc, shown):
+    """The keywords' checks are remembered per metadata and keyword values with their types: a value equal to one
+    that passed (``1 == True``, ``np.float32(0.5) == 0.5``), or one that cannot key a table, is still checked and
+    refused with the error a first call gets."""
+    t = _kv(new=0)
+    for _ in range(2):
+        _kvcall(t, **good)()
+    _raises(exc, next(iter(bad)), _kvcall(t, **bad), *shown)
+
+
+def test_kvcache_keywords_are_checked_once_per_metadata(monkeypatch):
+    """A repeated call checks its keywords once; other keyword values or other metadata check them again."""
+    from onlineattn import api
+
+    calls = _counted(monkeypatch, api, "kvcache_keywords", "_CHECKED_KEYWORDS")
+    t = _kv(new=0)
+    for _ in range(3):
+        _kvcall(t, causal=False)()
+    assert len(calls) == 1
+    _kvcall(t, causal=True)()
+    _kvcall(t, causal=False, softmax_scale=0.25)()
+    _kvcall(t, causal=False, q=torch.randn(2, 1, 4, 8, dtype=torch.float64), k_cache=t["k_cache"].double(),
+            v_cache=t["v_cache"].double())()
+    assert len(calls) == 4
+    _kvcall(t, causal=False)()
+    assert len(calls) == 4
+
+
 def test_kvcache_checks_run_once_per_metadata(monkeypatch):
     """A repeated call (same shapes, strides, dtypes, devices, int length) skips the checks; new metadata, a new int
     length or a tensor subclass runs them."""
-    calls = []
-    full = V._check_kvcache
-    monkeypatch.setattr(V, "_check_kvcache", lambda *a: calls.append(1) or full(*a))
-    monkeypatch.setattr(V, "_CHECKED_KVCACHE", {})
+    calls = _counted(monkeypatch, V, "_check_kvcache", "_CHECKED_KVCACHE")
     t = _kv(new=0)
     for _ in range(3):
         _kvcall(t)()

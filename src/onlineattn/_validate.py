@@ -335,7 +335,7 @@ def _same_device(**tensors) -> None:
 
 
 _CHECKED_KVCACHE: dict = {}  # metadata of a passing call -> its CacheDims
-_MAX_CHECKED = 256  # a decoding process sees few shapes; past this the table starts over
+MAX_CHECKED = 256  # a decoding process sees few shapes; past this the table starts over
 
 
 def _tensor_meta(x):
@@ -373,7 +373,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> Cach
         dims = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
         if key is not None:
             dims = replace(dims, meta_key=MetaToken())
-            if len(_CHECKED_KVCACHE) >= _MAX_CHECKED:
+            if len(_CHECKED_KVCACHE) >= MAX_CHECKED:
                 _CHECKED_KVCACHE.clear()
             _CHECKED_KVCACHE[key] = dims
     return dims

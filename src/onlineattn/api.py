@@ -366,19 +366,19 @@ def attention_with_kvcache(
             and alibi_slopes is None):  # (off the decoding step's common path)
         _check_no_kvcache_variants(window_size, softcap, alibi_slopes)
     dims = V.check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
-    scale, causal, return_lse, check_indices, num_splits, backend = kvcache_keywords(
-        q, softmax_scale, causal, return_lse, check_indices, num_splits, backend)
+    scale, causal, return_lse, check_indices, num_splits, backend = _checked_kvcache_keywords(
+        q, dims.meta_key, softmax_scale, causal, return_lse, check_indices, num_splits, backend)
     max_seqlen_k = V.check_kvcache_indices(cache_seqlens, block_table, dims) if check_indices else None
     if not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.full((dims.batch,), cache_seqlens, dtype=torch.int32, device=q.device)
     if backend == "triton":  # the kernel's outputs come from torch.empty: no graph to keep out
-        from .ops import decode
-
-        q_in = q
-        q, scale = V.positive_scale(q, scale)  # where it changes q, its checked metadata no longer keys the launch
-        o, lse = decode.attention_with_kvcache(
+        meta_key = dims.meta_key
+        if not scale > 0:  # where it changes q, its checked metadata no longer keys the launch
+            q, scale = V.positive_scale(q, scale)
+            meta_key = None
+        o, lse = (_decode_op or _import_decode_op()).attention_with_kvcache(
             q, k_cache, v_cache, k, v, cache_seqlens, block_table, scale, causal, num_splits,
-            max_seqlen_k=max_seqlen_k, return_lse=return_lse, meta_key=dims.meta_key if q is q_in else None,
+            max_seqlen_k=max_seqlen_k, return_lse=return_lse, meta_key=meta_key,
         )
     else:
         with torch.no_grad():
@@ -395,6 +395,43 @@ def _check_no_kvcache_variants(window_size, softcap, alibi_slopes) -> None:
                                  ("alibi_slopes", alibi_slopes, None)):
         V.check_unsupported(name, value, default, "by attention_with_kvcache (decoding has no score variants); "
                             "attention() takes it over the cached keys")
+
+
+_decode_op = None  # ops.decode once imported: an import statement per eager decoding step costs ~0.5 µs
+
+
+def _import_decode_op():
+    global _decode_op
+    from .ops import decode
+
+    _decode_op = decode
+    return decode
+
+
+_CHECKED_KEYWORDS: dict = {}
+
+
+def _checked_kvcache_keywords(q, meta_key, softmax_scale, causal, return_lse, check_indices, num_splits,
+                              backend) -> tuple:
+    """``kvcache_keywords``, looked up where these keywords passed it before with the same checked metadata
+    (``CacheDims.meta_key``: it stands for q's head dim, dtype and device, all that the checks read of q): one
+    dictionary lookup per decoding step in place of six checks. Each value keys with its type, so a value equal to
+    an accepted one but of another type (``1`` for ``True``, a NumPy float for a float) is checked, and refused, as
+    on a first call; an unhashable one is checked too."""
+    if meta_key is None:
+        return kvcache_keywords(q, softmax_scale, causal, return_lse, check_indices, num_splits, backend)
+    key = (meta_key, softmax_scale, type(softmax_scale), causal, type(causal), return_lse, type(return_lse),
+           check_indices, type(check_indices), num_splits, type(num_splits), backend, type(backend))
+    try:
+        checked = _CHECKED_KEYWORDS.get(key)
+    except TypeError:  # unhashable: the checks refuse it
+        return kvcache_keywords(q, softmax_scale, causal, return_lse, check_indices, num_splits, backend)
+    if checked is None:
+        checked = kvcache_keywords(q, softmax_scale, causal, return_lse, check_indices, num_splits, backend)
+        if len(_CHECKED_KEYWORDS) >= V.MAX_CHECKED:  # a stream of new shapes must not grow it
+            _CHECKED_KEYWORDS.clear()
+        _CHECKED_KEYWORDS[key] = checked
+    return checked
 
 
 def kvcache_keywords(q, softmax_scale, causal, return_lse, check_indices, num_splits, backend) -> tuple:

@@ -864,3 +864,27 @@ def test_api_steps_are_keyed_by_the_checked_metadata(monkeypatch):
     assert len(D._STEPS) == 2
     for a, b_, c in zip(first, again, other):
         assert torch.equal(a, b_) and torch.equal(a, c)
+
+
+@gpu
+def test_kept_step_launches_directly_on_the_current_device_only(monkeypatch):
+    """On CUDA a repeated decoding step relaunches its kept kernel through the C launcher (a direct Relaunch), asking
+    CUDA's C call for the current device (not torch.cuda.current_device's Python); where that is another device than
+    the one it was kept on, it declines, and a launch would go through Triton again."""
+    monkeypatch.setattr(D, "_STEPS", {})
+    q, k, v = _sequence(2, 300, 8, 2, 64, 64, torch.bfloat16, seed=32, device="cuda")
+    lens = torch.tensor([300, 123], dtype=torch.int32, device="cuda")
+    call = lambda: onlineattn.attention_with_kvcache(q[:, :1], k, v, cache_seqlens=lens,  # noqa: E731
+                                                     check_indices=False)
+    first, again = call(), call()
+    assert torch.equal(first, again)
+    (step,) = D._STEPS.values()
+    (chosen,) = step.lengths.values()
+    relaunch = chosen.relaunch
+    assert relaunch is not None and relaunch.direct is not None
+    work, counts = chosen.workspaces[D._stream_id(q.device)] if chosen.splits > 1 else (again, lens)
+    arrays = (q[:, :1].contiguous(), k, v, lens, lens, again, again, work, counts)
+    assert relaunch.ready(arrays)
+    here = torch.cuda.current_device()
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: here + 1)
+    assert not relaunch.ready(arrays)
