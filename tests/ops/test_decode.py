@@ -417,6 +417,16 @@ def test_split_heuristic():
     assert C.decode_splits(short, 1, 8192, sms, 16, 128) == 64  # 128 splits of 64 keys: 64 of 128
     assert C.decode_splits(short, 1, 8192, sms, 64, 128) == 2  # 64 rows: no tree, the cap
     assert C.decode_splits(C.DecodeConfig(64, 64, 4, 3), 8, 4096, sms, 4, 128) == 16  # one program per SM: no cap
+    # the long tile's whole waves (from the fill's count up: at most four waves, the last >= 85 % full, chunks of
+    # >= 16k keys)
+    long = C._DECODE_LONG[128]
+    for b, length, splits in [(16, 131072, 4), (24, 131072, 2), (32, 131072, 2), (64, 131072, 1), (8, 131072, 8),
+                              (12, 131072, 4), (16, 32768, 2), (16, 65536, 4), (64, 32768, 1), (16, 4096, 1),
+                              (1, 131072, 16), (2, 131072, 8), (4, 131072, 8)]:
+        assert C.decode_splits(long, b * 8, length, sms, 4, 128) == splits, (b, length)
+    assert C.decode_wave_splits(96, 131072, sms, 1) == 4  # 1: 0.73 waves; 2: 1.45; 3: 2.18; 4: 2.91; 5: 3.64
+    assert C.decode_wave_splits(8, 131072, sms, 16) == 16  # 8k-key chunks already: the fill's count
+    assert C.decode_wave_splits(600, 131072, sms, 1) == 1  # past four waves at once
 
 
 def test_launcher_splits_as_its_tile_says(monkeypatch):
@@ -453,13 +463,15 @@ def test_launcher_splits_as_its_tile_says(monkeypatch):
         head_major = torch.empty(b, hkv, length, 128, dtype=torch.bfloat16, device="meta").transpose(1, 2)
         by_heads = D._choose(D._Step(), q, head_major, head_major, None, False, length, 0, None)
         assert (by_heads.tile, by_heads.splits, by_heads.tma) == (tile, splits, tile.tma_max_keys > 0)  # any chunk
-    # B = 16 at 4k and at 128k both take the long tile unsplit: TMA at 4k-key chunks, pointers at 128k, either order
+    # B = 16 at 4k and at 128k both take the long tile: TMA at 4k-key chunks (one split), pointers at 128k (four
+    # splits of 32k keys, whole waves), in either order
     q = torch.zeros(16, 1, 32, 128, dtype=torch.bfloat16)
     cache = torch.empty(16, 131072, 8, 128, dtype=torch.bfloat16, device="meta")
     for lengths in ((4096, 131072), (131072, 4096)):
         step = D._Step()
         chosen = [D._choose(step, q, cache, cache, None, False, length, 0, None) for length in lengths]
-        assert [(c.tile, c.splits, c.tma) for c in chosen] == [(LONG, 1, length <= TMA) for length in lengths]
+        assert [(c.tile, c.splits, c.tma) for c in chosen] == [(LONG, 1 if length <= TMA else 4, length <= TMA)
+                                                                for length in lengths]
     q = torch.zeros(64, 1, 32, 128, dtype=torch.bfloat16)
     cache = torch.zeros(1, 1, 8, 128, dtype=torch.bfloat16).expand(64, 32768, 8, 128)
     chosen = D._choose(D._Step(), q, cache, cache, None, False, 32768, 0, C.DecodeConfig(64, 64, 4, 2))
@@ -496,7 +508,7 @@ def test_growing_lengths_reuse_one_step(monkeypatch):
 
 
 TMA = C.DECODE_TMA_MAX_KEYS  # d = 128's contiguous tiles stream K and V by TMA up to chunks of this many keys
-LONG = C.DecodeConfig(128, 64, 4, 3, balance=False, tma_max_keys=TMA)  # long chunks: its split count only fills
+LONG = C.DecodeConfig(128, 64, 4, 3, balance=False, tma_max_keys=TMA, waves=True)  # long chunks: fill, then waves
 FILL = C.DecodeConfig(64, 64, 4, 3, tma_max_keys=TMA)  # one program per SM
 HALF = C.DecodeConfig(64, 64, 4, 2, tma_max_keys=TMA)  # fuller grids
 SHORT = C.DecodeConfig(64, 64, 4, 2, balance=False, per_sm=2, min_blocks=1)  # short caches: two programs per SM

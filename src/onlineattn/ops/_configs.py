@@ -649,6 +649,7 @@ class DecodeConfig:
     per_sm: int = 1  # programs per SM the split rule fills (decode_num_splits)
     min_blocks: int = DECODE_MIN_BLOCKS_PER_SPLIT  # fewest key blocks in a split's chunk
     tma_max_keys: int = 0  # K and V by TMA (contiguous caches) where a split's chunk has at most this many keys
+    waves: bool = False  # the split rule then cuts long chunks further, into whole waves of programs (decode_splits)
 
 
 _DECODE_INTERPRETER = DecodeConfig(block_n=32, block_m=64, num_warps=4, num_stages=1)
@@ -699,8 +700,21 @@ _DECODE_HALF_FILL = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4,
 #     tile's 244.4-245.2, so grids past one program per SM take it from DECODE_LONG_MIN_KEYS keys per chunk. Where
 #     the long tile's own (unbalanced) split count fills the SMs at most once, 512 keys a chunk suffice, as in the
 #     fill grids (B = 16 at 8k, B = 4 at 32k, B = 2 at 64k: between measured points, unmeasured themselves).
-_DECODE_LONG = {128: DecodeConfig(128, 64, 4, 3, balance=False, tma_max_keys=DECODE_TMA_MAX_KEYS)}
+#   - v43 (session 51, ab_decode.py, graph-timed, two rounds in one call, Hq 32 / Hkv 8, L = 128k, µs; programs a
+#     split x splits = programs, then waves of one program per SM on 132 SMs): 128 x 1 = 0.97 waves 1884-1886, x 2 =
+#     1.94 1859, x 4 = 3.88 1851, x 8 = 7.76 1853; 192 x 1 = 1.45 3223-3225, x 2 = 2.91 2769-2770, x 3 = 4.36 3048-3049;
+#     256 x 1 = 1.94 3724-3730, x 2 = 3.88 3682-3683, x 4 = 7.76 3718-3719; 512 x 1 = 3.88 7367-7376, x 2 = 7.76
+#     7413-7415, x 4 7474-7475; 64 x 2 = 0.97 948-949, x 4 = 1.94 936, x 8 = 3.88 933; 96 x 1 = 0.73 1379-1380, x 2
+#     = 1.45 1739-1740, x 4 = 2.91 1393, x 5 = 3.64 1460-1462; at L = 32k 128 x 1 473.8-473.9, x 2 470.8-471.2; at 64k
+#     128 x 1 944.4-944.5, x 2 937.6-937.8, x 4 932.3-932.8. A grid whose last wave leaves many SMs idle streams
+#     that wave short of the DRAM's rate (192 x 1 lost 16 %), and a single wave lost to three or four (a program
+#     that ends early leaves its SM idle to the end). So the long tile takes the most splits from the fill rule's
+#     count up whose grid runs at most DECODE_MAX_WAVES waves, its last at least DECODE_LAST_WAVE full, over chunks
+#     of at least DECODE_LONG_MIN_KEYS keys (decode_wave_splits). Its cost: 96 x 4 (the rule) against 96 x 1, +1 %.
+_DECODE_LONG = {128: DecodeConfig(128, 64, 4, 3, balance=False, tma_max_keys=DECODE_TMA_MAX_KEYS, waves=True)}
 DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the long tile's grid has more programs than SMs (4k < it <= 32k)
+DECODE_MAX_WAVES = 4
+DECODE_LAST_WAVE = 0.85
 # - Short caches: two programs per SM over chunks of 64-key blocks, 2 stages, no balance splits, where one program per
 #   SM (the fill split count) would leave chunks of at most DECODE_SHORT_MAX_KEYS keys and at least
 #   DECODE_SHORT_MIN_SPLITS splits (d = 128 only). Its merge loads every partial at once, so it takes no more splits
@@ -833,6 +847,19 @@ def decode_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: i
     return max(1, min(most, max(fill, balance)))
 
 
+def decode_wave_splits(programs: int, max_seqlen_k: int, num_sms: int, splits: int) -> int:
+    """The most split counts from ``splits`` up whose grid of ``programs`` a split, one program per SM, runs at most
+    DECODE_MAX_WAVES waves and ends on a wave at least DECODE_LAST_WAVE full (or whole), over chunks of at least
+    DECODE_LONG_MIN_KEYS keys; ``splits`` where none does (the long tile's rule, above)."""
+    best, s = splits, splits
+    while programs * s <= DECODE_MAX_WAVES * num_sms and -(-max_seqlen_k // s) >= DECODE_LONG_MIN_KEYS:
+        last = programs * s % num_sms
+        if last == 0 or last >= DECODE_LAST_WAVE * num_sms:
+            best = s
+        s += 1
+    return best
+
+
 def decode_splits(tile: DecodeConfig, programs: int, max_seqlen_k: int, num_sms: int, rows: int,
                   head_dim_v: int) -> int:
     """``tile``'s automatic split count: ``decode_num_splits`` by its fields, and for a tile of more than one program
@@ -843,6 +870,8 @@ def decode_splits(tile: DecodeConfig, programs: int, max_seqlen_k: int, num_sms:
     splits 9.2 us, 32 in a tree 12.3; v38: 6.6 against 7.4 with the rows-first merge)."""
     splits = decode_num_splits(programs, max_seqlen_k, num_sms, tile.block_n, tile.balance, tile.per_sm,
                                tile.min_blocks)
+    if tile.waves:
+        splits = decode_wave_splits(programs, max_seqlen_k, num_sms, splits)
     held, node = merge_at_once_splits(rows, head_dim_v), merge_tree_node(rows, head_dim_v)
     if tile.per_sm > 1 and 1 < held < splits:
         sparse = programs * held * DECODE_TREE_SPARSE <= num_sms  # the capped grid would leave most SMs idle
