@@ -418,14 +418,15 @@ def test_split_heuristic():
     assert C.decode_splits(short, 1, 8192, sms, 64, 128) == 2  # 64 rows: no tree, the cap
     assert C.decode_splits(C.DecodeConfig(64, 64, 4, 3), 8, 4096, sms, 4, 128) == 16  # one program per SM: no cap
     # the long tile's whole waves (from the fill's count up: at most four waves, the last >= 85 % full, chunks of
-    # >= 16k keys)
+    # >= 32k keys)
     long = C._DECODE_LONG[128]
-    for b, length, splits in [(16, 131072, 4), (24, 131072, 2), (32, 131072, 2), (64, 131072, 1), (8, 131072, 8),
-                              (12, 131072, 4), (16, 32768, 2), (16, 65536, 4), (64, 32768, 1), (16, 4096, 1),
-                              (1, 131072, 16), (2, 131072, 8), (4, 131072, 8)]:
+    for b, length, splits in [(16, 131072, 4), (24, 131072, 2), (32, 131072, 2), (64, 131072, 1), (8, 131072, 4),
+                              (12, 131072, 4), (16, 32768, 1), (16, 65536, 2), (64, 32768, 1), (16, 4096, 1),
+                              (1, 131072, 16), (2, 131072, 8), (4, 131072, 4)]:
         assert C.decode_splits(long, b * 8, length, sms, 4, 128) == splits, (b, length)
     assert C.decode_wave_splits(96, 131072, sms, 1) == 4  # 1: 0.73 waves; 2: 1.45; 3: 2.18; 4: 2.91; 5: 3.64
     assert C.decode_wave_splits(8, 131072, sms, 16) == 16  # 8k-key chunks already: the fill's count
+    assert C.decode_wave_splits(64, 131072, sms, 2) == 4  # 8 (3.88 waves) would cut 16k-key chunks
     assert C.decode_wave_splits(600, 131072, sms, 1) == 1  # past four waves at once
 
 

@@ -710,10 +710,14 @@ _DECODE_HALF_FILL = {16: DecodeConfig(64, 64, 4, 3), 32: DecodeConfig(64, 64, 4,
 #     that wave short of the DRAM's rate (192 x 1 lost 16 %), and a single wave lost to three or four (a program
 #     that ends early leaves its SM idle to the end). So the long tile takes the most splits from the fill rule's
 #     count up whose grid runs at most DECODE_MAX_WAVES waves, its last at least DECODE_LAST_WAVE full, over chunks
-#     of at least DECODE_LONG_MIN_KEYS keys (decode_wave_splits). Its cost: 96 x 4 (the rule) against 96 x 1, +1 %.
+#     of at least DECODE_WAVE_MIN_KEYS keys (decode_wave_splits). Its cost: 96 x 4 (the rule) against 96 x 1, +1 %.
+#     Not below 32k-key chunks: on another machine (one process, two rounds) B = 16, L = 32k read 465.4 unsplit
+#     against 472.4-472.5 in 2 splits of 16k keys (which also take TMA), though 128k gained there too (1855-1857
+#     -> 1851); on the first, 2 splits had gained (473.8 -> 471.0).
 _DECODE_LONG = {128: DecodeConfig(128, 64, 4, 3, balance=False, tma_max_keys=DECODE_TMA_MAX_KEYS, waves=True)}
 DECODE_LONG_MIN_KEYS = 16384  # per chunk, where the long tile's grid has more programs than SMs (4k < it <= 32k)
 DECODE_MAX_WAVES = 4
+DECODE_WAVE_MIN_KEYS = 32768
 DECODE_LAST_WAVE = 0.85
 # - Short caches: two programs per SM over chunks of 64-key blocks, 2 stages, no balance splits, where one program per
 #   SM (the fill split count) would leave chunks of at most DECODE_SHORT_MAX_KEYS keys and at least
@@ -850,9 +854,9 @@ def decode_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: i
 def decode_wave_splits(programs: int, max_seqlen_k: int, num_sms: int, splits: int) -> int:
     """The most split counts from ``splits`` up whose grid of ``programs`` a split, one program per SM, runs at most
     DECODE_MAX_WAVES waves and ends on a wave at least DECODE_LAST_WAVE full (or whole), over chunks of at least
-    DECODE_LONG_MIN_KEYS keys; ``splits`` where none does (the long tile's rule, above)."""
+    DECODE_WAVE_MIN_KEYS keys; ``splits`` where none does (the long tile's rule, above)."""
     best, s = splits, splits
-    while programs * s <= DECODE_MAX_WAVES * num_sms and -(-max_seqlen_k // s) >= DECODE_LONG_MIN_KEYS:
+    while programs * s <= DECODE_MAX_WAVES * num_sms and -(-max_seqlen_k // s) >= DECODE_WAVE_MIN_KEYS:
         last = programs * s % num_sms
         if last == 0 or last >= DECODE_LAST_WAVE * num_sms:
             best = s
