@@ -5,6 +5,7 @@ Hand-picked cases first, then hypothesis: random valid shapes with one mismatch 
 
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -418,12 +419,15 @@ def test_kvcache_keywords_equal_to_passing_ones_are_still_checked(good, bad, exc
 def test_kvcache_keywords_are_checked_once_per_metadata(monkeypatch):
     """A repeated call checks its keywords once; other keyword values or other metadata check them again."""
     from onlineattn import api
+    from onlineattn.api import kvcache_keywords as checks
 
     calls = _counted(monkeypatch, api, "kvcache_keywords", "_CHECKED_KEYWORDS")
     t = _kv(new=0)
     for _ in range(3):
         _kvcall(t, causal=False)()
     assert len(calls) == 1
+    (remembered,) = api._CHECKED_KEYWORDS.values()
+    assert remembered == checks(t["q"], None, False, False, True, 0, "auto")  # what the checks return
     _kvcall(t, causal=True)()
     _kvcall(t, causal=False, softmax_scale=0.25)()
     _kvcall(t, causal=False, q=torch.randn(2, 1, 4, 8, dtype=torch.float64), k_cache=t["k_cache"].double(),
@@ -431,6 +435,18 @@ def test_kvcache_keywords_are_checked_once_per_metadata(monkeypatch):
     assert len(calls) == 4
     _kvcall(t, causal=False)()
     assert len(calls) == 4
+
+
+def test_kvcache_keywords_follow_triton_interpret_off_cuda(monkeypatch):
+    """Off CUDA a forced ``backend="triton"`` needs TRITON_INTERPRET, read per call: a call that passed with it set
+    does not let the next call through once it is unset."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs where Triton's interpreter is on (CPU machines)")
+    t = _kv(new=0)
+    _kvcall(t, backend="triton")()
+    _kvcall(t, backend="triton")()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    _raises(ValueError, "backend", _kvcall(t, backend="triton"), "TRITON_INTERPRET")
 
 
 def test_kvcache_checks_run_once_per_metadata(monkeypatch):

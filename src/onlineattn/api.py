@@ -417,17 +417,21 @@ def _checked_kvcache_keywords(q, meta_key, softmax_scale, causal, return_lse, ch
     (``CacheDims.meta_key``: it stands for q's head dim, dtype and device, all that the checks read of q): one
     dictionary lookup per decoding step in place of six checks. Each value keys with its type, so a value equal to
     an accepted one but of another type (``1`` for ``True``, a NumPy float for a float) is checked, and refused, as
-    on a first call; an unhashable one is checked too."""
-    if meta_key is None:
-        return kvcache_keywords(q, softmax_scale, causal, return_lse, check_indices, num_splits, backend)
-    key = (meta_key, softmax_scale, type(softmax_scale), causal, type(causal), return_lse, type(return_lse),
-           check_indices, type(check_indices), num_splits, type(num_splits), backend, type(backend))
-    try:
-        checked = _CHECKED_KEYWORDS.get(key)
-    except TypeError:  # unhashable: the checks refuse it
-        return kvcache_keywords(q, softmax_scale, causal, return_lse, check_indices, num_splits, backend)
-    if checked is None:
-        checked = kvcache_keywords(q, softmax_scale, causal, return_lse, check_indices, num_splits, backend)
+    on a first call; an unhashable one is checked too. Off CUDA the backend's check also reads TRITON_INTERPRET,
+    which may change between calls: its value keys there too."""
+    key = None
+    if meta_key is not None:
+        env = None if q.is_cuda else os.environ.get("TRITON_INTERPRET")
+        key = (meta_key, env, softmax_scale, type(softmax_scale), causal, type(causal), return_lse, type(return_lse),
+               check_indices, type(check_indices), num_splits, type(num_splits), backend, type(backend))
+        try:
+            checked = _CHECKED_KEYWORDS.get(key)
+        except TypeError:  # unhashable: the checks refuse it
+            checked = key = None
+        if checked is not None:
+            return checked
+    checked = kvcache_keywords(q, softmax_scale, causal, return_lse, check_indices, num_splits, backend)
+    if key is not None:
         if len(_CHECKED_KEYWORDS) >= V.MAX_CHECKED:  # a stream of new shapes must not grow it
             _CHECKED_KEYWORDS.clear()
         _CHECKED_KEYWORDS[key] = checked

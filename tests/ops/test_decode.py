@@ -428,6 +428,7 @@ def test_split_heuristic():
     assert C.decode_wave_splits(8, 131072, sms, 16) == 16  # 8k-key chunks already: the fill's count
     assert C.decode_wave_splits(64, 131072, sms, 2) == 4  # 8 (3.88 waves) would cut 16k-key chunks
     assert C.decode_wave_splits(600, 131072, sms, 1) == 1  # past four waves at once
+    assert C.decode_wave_splits(1, 1 << 30, sms, 128) == C.DECODE_MAX_SPLITS  # one program: 528 by the waves
 
 
 def test_launcher_splits_as_its_tile_says(monkeypatch):
@@ -897,7 +898,12 @@ def test_kept_step_launches_directly_on_the_current_device_only(monkeypatch):
     assert relaunch is not None and relaunch.direct is not None
     work, counts = chosen.workspaces[D._stream_id(q.device)] if chosen.splits > 1 else (again, lens)
     arrays = (q[:, :1].contiguous(), k, v, lens, lens, again, again, work, counts)
-    assert relaunch.ready(arrays)
     here = torch.cuda.current_device()
+
+    def no_python(*args):
+        raise AssertionError("torch.cuda's lazy-init check was called")
+
+    monkeypatch.setattr(torch.cuda, "_lazy_init", no_python)  # torch.cuda.current_device() calls it first
+    assert relaunch.ready(arrays)
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: here + 1)
     assert not relaunch.ready(arrays)

@@ -854,9 +854,11 @@ def decode_num_splits(programs: int, max_seqlen_k: int, num_sms: int, block_n: i
 def decode_wave_splits(programs: int, max_seqlen_k: int, num_sms: int, splits: int) -> int:
     """The most split counts from ``splits`` up whose grid of ``programs`` a split, one program per SM, runs at most
     DECODE_MAX_WAVES waves and ends on a wave at least DECODE_LAST_WAVE full (or whole), over chunks of at least
-    DECODE_WAVE_MIN_KEYS keys; ``splits`` where none does (the long tile's rule, above)."""
+    DECODE_WAVE_MIN_KEYS keys, and no more than DECODE_MAX_SPLITS; ``splits`` where none does (the long tile's rule,
+    above)."""
     best, s = splits, splits
-    while programs * s <= DECODE_MAX_WAVES * num_sms and -(-max_seqlen_k // s) >= DECODE_WAVE_MIN_KEYS:
+    while (s <= DECODE_MAX_SPLITS and programs * s <= DECODE_MAX_WAVES * num_sms
+           and cdiv(max_seqlen_k, s) >= DECODE_WAVE_MIN_KEYS):
         last = programs * s % num_sms
         if last == 0 or last >= DECODE_LAST_WAVE * num_sms:
             best = s

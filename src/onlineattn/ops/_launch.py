@@ -287,8 +287,8 @@ class Relaunch:
             if not all([x.is_cuda for x in tensors]):
                 return None
             # Triton 3.6's CUDA driver asks torch.cuda.current_device(), whose Python re-checks CUDA's lazy
-            # initialisation; with CUDA tensors in hand it is initialised, so its C call answers alone (~0.5 µs
-            # of a decoding step's host path on the H200's host, NOTES v43).
+            # initialisation; with CUDA tensors in hand it is initialised, so its C call answers alone (that
+            # Python was ~3 % of a decoding step's host time under cProfile on the device, NOTES v43).
             device = torch._C._cuda_getDevice()
         else:
             device = driver.active.get_current_device()
