@@ -338,6 +338,16 @@ _CHECKED_KVCACHE: dict = {}  # metadata of a passing call -> its CacheDims
 MAX_CHECKED = 256  # a decoding process sees few shapes; past this the table starts over
 
 
+def bounded_put(table: dict, key, value, limit: int):
+    """``table[key] = value``, emptying the table first where it already holds ``limit`` entries: the per-metadata
+    tables of checks and kept launches (shapes a process sees are few; a stream of new ones must not grow them).
+    Returns value."""
+    if len(table) >= limit:
+        table.clear()
+    table[key] = value
+    return value
+
+
 def _tensor_meta(x):
     """What the checks read of a tensor argument (``()`` for None); None for anything else, which is checked."""
     if x is None:
@@ -372,10 +382,7 @@ def check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table) -> Cach
     if dims is None:
         dims = _check_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table)
         if key is not None:
-            dims = replace(dims, meta_key=MetaToken())
-            if len(_CHECKED_KVCACHE) >= MAX_CHECKED:
-                _CHECKED_KVCACHE.clear()
-            _CHECKED_KVCACHE[key] = dims
+            dims = bounded_put(_CHECKED_KVCACHE, key, replace(dims, meta_key=MetaToken()), MAX_CHECKED)
     return dims
 
 

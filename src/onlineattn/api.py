@@ -432,9 +432,7 @@ def _checked_kvcache_keywords(q, meta_key, softmax_scale, causal, return_lse, ch
             return checked
     checked = kvcache_keywords(q, softmax_scale, causal, return_lse, check_indices, num_splits, backend)
     if key is not None:
-        if len(_CHECKED_KEYWORDS) >= V.MAX_CHECKED:  # a stream of new shapes must not grow it
-            _CHECKED_KEYWORDS.clear()
-        _CHECKED_KEYWORDS[key] = checked
+        V.bounded_put(_CHECKED_KEYWORDS, key, checked, V.MAX_CHECKED)
     return checked
 
 

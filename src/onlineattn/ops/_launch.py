@@ -39,6 +39,8 @@ from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .._validate import bounded_put  # noqa: F401 (the launchers' per-metadata tables)
+
 try:  # Triton 3.6's CUDA launcher, which a Relaunch calls without its per-launch Python (_direct)
     from triton.backends.nvidia import driver as nvidia_driver
 except ImportError:  # pragma: no cover - a Triton without the NVIDIA backend
@@ -406,15 +408,6 @@ def start(keep: bool, kernel, grid: tuple, n_arrays: int, *args, **kwargs):
         return prepare(kernel, grid, n_arrays, *args, **kwargs)
     launch(kernel, grid, *args, **kwargs)
     return None
-
-
-def bounded_put(table: dict, key, value, limit: int):
-    """``table[key] = value``, emptying the table first where it already holds ``limit`` entries: the per-metadata
-    tables of kept launches (shapes a process sees are few; a stream of new ones must not grow them). Returns value."""
-    if len(table) >= limit:
-        table.clear()
-    table[key] = value
-    return value
 
 
 _MISSING = object()
