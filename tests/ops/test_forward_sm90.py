@@ -18,7 +18,8 @@ from onlineattn._mods import PLAIN, Mods
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import (
     _FWD_WS, _FWD_WS_SHORT, _FWD_WS_WIDE, LAZY_RESCALE_FROM, WS_CAUSAL_PERSISTENT_BELOW, WS_MIN_KEYS, WS_SHORT_KEYS,
-    WS_WIDE_FROM, WS_WINDOW_MIN_SPAN, WS_WINDOW_PERSISTENT_BELOW, fwd_config,
+    WS_WIDE_FROM, WS_WINDOW_MIN_SPAN, WS_WINDOW_PERSISTENT_BELOW, FWD_TAIL_MAX_PIECES, FWD_TAIL_MIN_GAIN,
+    FWD_TAIL_MIN_KEYS, FWD_TAIL_MIN_PIECE_BLOCKS, fwd_config, fwd_tail_pieces,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -326,6 +327,35 @@ def test_window_kernel_compiles_for_sm90():
                                                          "160", "64", "144"]
 
 
+_COMPILE_SPLIT = """
+import sys, torch, triton
+import triton.runtime.jit as jit
+sys.path.insert(0, {bench!r})
+from probe_launch import Sm90NoLaunch
+triton.runtime.driver.set_active(Sm90NoLaunch())
+from onlineattn.ops import forward_sm90
+from onlineattn.ops._configs import _FWD_WS, _FWD_WS_WIDE, FWD_TAIL_MIN_KEYS
+run, compiled = jit.JITFunction.run, []
+warm = lambda self, *a, **kw: compiled.append((self.fn.__name__, run(self, *a, **{{**kw, "warmup": True}})))
+jit.JITFunction.run = warm
+for d, cfg in ((128, _FWD_WS[False][128]), (256, _FWD_WS[False][256]), (64, _FWD_WS_WIDE[False])):
+    compiled.clear()
+    q = torch.randn(1, cfg.block_m * 133, 1, d, dtype=torch.bfloat16)  # 133 tiles over 132 programs
+    k = torch.randn(1, FWD_TAIL_MIN_KEYS[d], 1, d, dtype=torch.bfloat16)
+    forward_sm90.launch(q, k, k, torch.empty_like(q), torch.empty(1, 1, q.shape[1]), 0.1, False, cfg)
+    print(d, *[(name, c.asm["ptx"].count("wgmma.mma_async")) for name, c in compiled])
+"""
+
+
+def test_split_tail_compiles_for_sm90():
+    """A launch whose last lap is cut into pieces (133 tiles over 132 programs, FWD_TAIL_MIN_KEYS keys; NOTES
+    v44) compiles for sm_90 with the SPLIT kernel, the same matmul sites as the plain non-causal cases of
+    ``test_kernel_compiles_for_sm90`` (a piece runs a tile's code over fewer blocks), and then the merge kernel."""
+    lines = _compiled(_COMPILE_SPLIT).stdout.splitlines()
+    assert lines == [f"{d} ('attention_fwd_sm90_kernel', {wgmma}) ('merge_pieces_kernel', 0)"
+                     for d, wgmma in ((128, 128), (256, 160), (64, 144))], lines
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # sm_90 GPU: the kernel itself, launched through forward() with its tile.
 
@@ -404,6 +434,43 @@ def test_programs_hand_over_many_tiles(shape, q_stages, causal, d, monkeypatch):
     cfg = replace(_FWD_WS[causal][d], persistent=True, q_stages=q_stages)
     o, lse = _run_poisoned(q, k, v, causal, config=cfg)
     _check(q, k, v, causal, o, lse)
+
+
+TAIL_SHAPES = [  # b, sq, sk, hq, hkv, SMs: tiles with a partial last lap at that many programs (every tile below),
+    # keys from FWD_TAIL_MIN_KEYS (65 blocks of 128 keys, 130 of 64; the last block 108 or 44 keys, or 58)
+    (1, 900, 8300, 2, 1, 3),  # 16 tiles (10 of 192 rows) over 3 programs, 3 pieces; the last tile 4 rows
+    (3, 300, 8250, 3, 1, 4),  # batch entries and heads among the pieces, GQA 3:1
+    (1, 1100, 8300, 2, 2, 7),  # 4 to 7 pieces
+]
+
+
+@gpu
+@sm90
+@pytest.mark.parametrize("lazy", [False, True], ids=["rescale", "lazy"])
+@pytest.mark.parametrize("tile", ["d64", "d64-wide", "d128", "d256"])
+@pytest.mark.parametrize("shape", TAIL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_split_tail_matches_oracle(shape, tile, lazy, monkeypatch):
+    """Non-causal persistent launches whose last lap is cut into pieces (``fwd_tail_pieces``; the SMs set so that
+    every tile here has a partial last lap): each piece's float32 state, merged after the kernel
+    (``merge_pieces``), meets the §3 rule for o and lse, with scores large enough (q scaled by 3) that the pieces'
+    maxima differ; a second launch gives the same bits (the pieces merge in a fixed order)."""
+    b, sq, sk, hq, hkv, sms = shape
+    d = int(tile[1:].split("-")[0])
+    cfg = replace(_FWD_WS_WIDE[False] if tile.endswith("wide") else _FWD_WS[False][d], persistent=True,
+                  lazy_rescale=lazy)
+    monkeypatch.setattr(F.forward_sm90, "_sm_count", lambda device: sms)
+    monkeypatch.setattr(F, "_STEPS", {})  # no kept launch of another grid
+    merged, merge = [], F.forward_sm90.merge_pieces
+    monkeypatch.setattr(F.forward_sm90, "merge_pieces", lambda *args: merged.append(args[-1]) or merge(*args))
+    q, k, v = _inputs(b, sq, sk, hq, hkv, d, d, torch.bfloat16, seed=sum(shape) + d + lazy, q_scale=3.0,
+                      device="cuda")
+    o, lse = _run_poisoned(q, k, v, False, config=cfg)
+    tiles = -(-sq // cfg.block_m) * b * hq
+    programs = F.forward_sm90.programs(tiles, sq, sk, False, cfg.block_m, cfg.block_n, sms)
+    assert merged == [fwd_tail_pieces(tiles, programs, -(-sk // cfg.block_n))] and merged[0] > 1
+    _check(q, k, v, False, o, lse)
+    again = _run_poisoned(q, k, v, False, config=cfg)
+    assert torch.equal(o, again[0]) and torch.equal(lse, again[1])
 
 
 @gpu
@@ -535,6 +602,56 @@ def test_programs_balance_the_causal_laps():
     for case in ((777, 333, 1000, True, 128, 64, 132, (100, 0)), (300, 1024, 1024, True, 128, 128, 132, (200, 0)),
                  (500, 700, 300, True, 128, 128, 60, (37, 2**30)), (1000, 4096, 4096, True, 128, 128, 132, (1023, 0))):
         assert programs(*case) == _busiest_least(*case), case
+
+
+def test_tail_pieces_cut_the_last_lap_where_it_saves():
+    """``fwd_tail_pieces``: no split without a partial last lap after a whole one; else the piece count of least
+    modelled cost (blocks + 1 a piece or tile), found by a plain search here, whose pieces keep
+    FWD_TAIL_MIN_PIECE_BLOCKS blocks, and only where it saves FWD_TAIL_MIN_GAIN of the launch. At the grid's
+    d = 128 N = 16384 (2048 tiles of 128 blocks over 132 programs) 7 pieces: 15 laps and 68 tiles as 476 pieces of
+    up to 19 blocks, at most 4 to a program (80 against a whole tile's 129)."""
+    assert fwd_tail_pieces(2048, 132, 128) == 7
+    assert fwd_tail_pieces(264, 132, 128) == fwd_tail_pieces(100, 132, 128) == 1
+    seen = set()
+    for tiles in range(5, 3000, 37):
+        for programs in (3, 7, 132):
+            for blocks in (1, 4, 8, 16, 17, 32, 64, 65, 128, 256):
+                pieces = fwd_tail_pieces(tiles, programs, blocks)
+                seen.add(pieces)
+                laps, rest = divmod(tiles, programs)
+                cost = lambda s: -(-rest * s // programs) * (-(-blocks // s) + 1)  # noqa: E731
+                options = [s for s in range(2, FWD_TAIL_MAX_PIECES + 1) if s * FWD_TAIL_MIN_PIECE_BLOCKS <= blocks]
+                best = min(options, key=lambda s: (cost(s), s), default=1)
+                whole = (laps + 1) * (blocks + 1)
+                saves = laps and rest and laps * (blocks + 1) + cost(best) <= (1 - FWD_TAIL_MIN_GAIN) * whole
+                assert pieces == (best if saves else 1), (tiles, programs, blocks)
+    assert len(seen) > 4
+
+
+def test_launch_splits_the_tail_from_its_keys(monkeypatch):
+    """``forward_sm90.launch`` asks ``fwd_tail_pieces`` only for plain non-causal persistent launches with at least
+    FWD_TAIL_MIN_KEYS keys for the head dim (where the A/B gained or tied), and merges when it splits."""
+    from onlineattn.ops import forward_sm90
+    asked, merged = [], []
+    monkeypatch.setattr(forward_sm90, "fwd_tail_pieces", lambda *a: asked.append(a) or 3)
+    monkeypatch.setattr(forward_sm90, "start", lambda *a, **kw: None)
+    monkeypatch.setattr(forward_sm90, "merge_pieces", lambda *a: merged.append(a[-2:]))
+    monkeypatch.setattr(forward_sm90, "_sm_count", lambda device: 5)
+    monkeypatch.setattr(forward_sm90, "descriptors", lambda *a: (None,) * 4)
+    for d in (64, 128, 256):
+        least = FWD_TAIL_MIN_KEYS[d]
+        for sk, causal, persistent, band in ((least, False, True, None), (least - 1, False, True, None),
+                                             (least, True, True, None), (least, False, False, None),
+                                             (least, False, True, (least, least))):
+            asked.clear(), merged.clear()
+            cfg = replace(_FWD_WS[False][d], persistent=persistent)
+            q = torch.empty(1, 700, 2, d, dtype=torch.bfloat16)
+            k = torch.empty(1, sk, 2, d, dtype=torch.bfloat16)
+            forward_sm90.launch(q, k, k, torch.empty_like(q), torch.empty(1, 2, 700), 0.1, causal, cfg, band=band)
+            split = sk >= least and not causal and persistent and band is None
+            tiles = 2 * -(-700 // cfg.block_m)
+            assert asked == ([(tiles, 5, -(-sk // cfg.block_n))] if split else []), (d, sk, causal, persistent, band)
+            assert merged == ([(tiles - tiles % 5, 3)] if split else [])
 
 
 def _tile_blocks(t, count, num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n, rows=None, band=None):

@@ -156,6 +156,29 @@ def finalize_merge(m, l, acc):
 
 
 @triton.jit
+def merge_splits(p_o, p_lse, split_stride_o, split_stride_lse, num_splits, m_r, m_dv,
+                 BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, MERGE_STAGES: tl.constexpr):
+    """Merge the ``num_splits`` partial states of one program's rows (``p_o [BLOCK_M, BLOCK_DV]`` and ``p_lse
+    [BLOCK_M]``: split 0's pointers, the others ``split_stride_*`` elements on), always in split order 0, 1, ..., so
+    the result does not depend on which split finished last (split-KV decoding; the Hopper forward's split tail).
+    With ``MERGE_STAGES > 1`` the loop is software-pipelined: the partials of the next splits are on their way
+    (``cp.async`` into shared memory) while one is folded in, rather than one L2 round trip per split.
+
+    Ordering, in decoding: the caller's acq_rel counter orders these loads after the other splits' stores (in SASS
+    the atomic is followed by an L1 invalidation and a barrier before the first load). The ``.cg`` hint is kept where
+    Triton can: 4-byte ``cp.async`` copies (the lse loads of the pipelined loop) only exist as ``.ca``, which the
+    acquire makes safe all the same."""
+    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    for s in tl.range(0, num_splits, num_stages=MERGE_STAGES):
+        lse_s = tl.load(p_lse + s * split_stride_lse, mask=m_r, other=float("-inf"), cache_modifier=".cg")
+        o_s = tl.load(p_o + s * split_stride_o, mask=m_r[:, None] & m_dv[None, :], other=0.0, cache_modifier=".cg")
+        m, l, acc = merge_state_step(m, l, acc, lse_s, o_s)
+    return finalize_merge(m, l, acc)
+
+
+@triton.jit
 def page_and_slot(BLOCK_TABLE, off_bt, off_b, pos, mask, PAGE_SIZE: tl.constexpr):
     """Where key position ``pos`` (a block or a scalar) of batch entry ``off_b`` lives in a KV cache.
 

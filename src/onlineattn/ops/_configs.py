@@ -233,6 +233,45 @@ BWD_WS_WINDOW_MIN_SPAN = {64: 256, 128: 1, 256: 1}
 WS_WINDOW_PERSISTENT_BELOW = 4096
 _FWD_WS_WIDE = {False: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, persistent=True, q_stages=2, early_p=True),
                 True: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, early_p=True)}
+# - The split tail (session 52, NOTES v44). A non-causal persistent launch's tiles are equal, so where they are not
+#   a whole number of laps the last lap leaves SMs idle: at the grid's shapes 2048 or 4096 tiles over 132 programs,
+#   a 3 % tail. .devrun/tail52.py (cold | eager TFLOP/s, two rounds) against shapes of whole laps (more rows or
+#   heads, the same keys): d = 128 N = 16384 690-691 | 608-615 -> 709 | 628-631 (16896 rows), N = 2048 646-647 |
+#   573-574 -> 665-666 | 582-585 (132 heads, not 128), d = 256 N = 4096 749-750 | 647-653 -> 761 | 674-676 (4224
+#   rows); cuDNN gained 1-2 % the same way. So the last lap's tiles are cut into pieces of key blocks
+#   (``fwd_tail_pieces``), whose float32 states a second launch merges (forward_sm90.merge_pieces). The piece
+#   count: counted in key blocks, a tile costing its blocks plus one (forward_sm90.programs' model), the pieces' lap
+#   against a whole tile's, pieces of at least FWD_TAIL_MIN_PIECE_BLOCKS, where that saves FWD_TAIL_MIN_GAIN of the
+#   launch. The model leaves out the pieces' stores and the merge (float32 states: 64 KiB a piece at d = 128, 128 at
+#   d = 256), which the A/B (.devrun/tailab.py, one process, rule against one piece, two rounds, cold | eager) put
+#   at 10-70 us: d = 128 N = 16384 687-689 | 620-621 -> 699 | 625-627, 8192 682-684 | 604-613 -> 692-695 | 621-623,
+#   4096 675 | 601-603 -> 673-674 | 600-604, 2048 647 | 576-584 -> 636-637 | 565-571; d = 256 16384 770-771 |
+#   687-691 -> 778-780 | 703-715, 8192 759-761 | 679-683 -> 758-761 | 689-691, 4096 736-737 | 661-665 -> 714 | 655;
+#   d = 64 (192-row tiles) 4096 508 | 467 -> 517-518 | 465-466, 2048 478-480 | 430-446 -> 478-480 | 441-442. So
+#   only from FWD_TAIL_MIN_KEYS keys (per head dim), where it gained or tied.
+FWD_TAIL_MIN_KEYS = {64: 4096, 128: 8192, 256: 8192}
+FWD_TAIL_MIN_PIECE_BLOCKS = 4
+FWD_TAIL_MAX_PIECES = 8  # its float32 states: at most (programs - 1) · 8 tiles
+FWD_TAIL_MIN_GAIN = 0.01
+
+
+def fwd_tail_pieces(tiles: int, programs: int, blocks: int) -> int:
+    """Into how many pieces a non-causal persistent launch of ``tiles`` equal tiles of ``blocks`` key blocks over
+    ``programs`` programs cuts each tile of its last, partial lap (``tiles % programs`` of them): the count whose
+    pieces' lap costs least, or 1 (no split) where there is no partial lap after a whole one or it gains too little.
+    (``FWD_TAIL_MIN_KEYS`` is the caller's to check: ``forward_sm90.launch``.)"""
+    laps, rest = divmod(tiles, programs)
+    if laps == 0 or rest == 0:
+        return 1
+    best, best_cost = 1, blocks + 1
+    for pieces in range(2, min(FWD_TAIL_MAX_PIECES, blocks // FWD_TAIL_MIN_PIECE_BLOCKS) + 1):
+        cost = cdiv(rest * pieces, programs) * (cdiv(blocks, pieces) + 1)
+        if cost < best_cost:
+            best, best_cost = pieces, cost
+    whole = (laps + 1) * (blocks + 1)
+    return best if laps * (blocks + 1) + best_cost <= (1 - FWD_TAIL_MIN_GAIN) * whole else 1
+
+
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or with Sq <= 512 where the
 #                                              Gluon kernel does not take the call (above)
 

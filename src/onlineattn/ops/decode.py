@@ -37,8 +37,8 @@ import triton
 import triton.language as tl
 
 from . import cache
-from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_state_step, online_softmax_step,
-                      packed_rows, page_and_slot, row_tile)
+from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_splits,
+                      online_softmax_step, packed_rows, page_and_slot, row_tile)
 from ._configs import (DECODE_WIDE_ROWS, INTERPRETER_SMS, DecodeConfig, decode_block_m, decode_chunk, decode_config,
                        decode_splits, merge_at_once_splits, merge_tree_node)
 from ._launch import bounded_put, cdiv, keep_by_address, next_power_of_2, prepare, sm_count
@@ -83,33 +83,11 @@ def _store_state(O, LSE, b_o, b_lse, off_b, o_i, o_h, m_r, o_dv, m_dv, seqlen_q,
 
 
 @triton.jit
-def _merge_splits(p_o, p_lse, split_stride_o, split_stride_lse, num_splits, m_r, m_dv,
-                  BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, MERGE_STAGES: tl.constexpr):
-    """Merge the ``num_splits`` partial states of one program's rows, always in split order 0, 1, ..., so the result
-    does not depend on which split finished last. With ``MERGE_STAGES > 1`` the loop is software-pipelined: the
-    partials of the next splits are on their way (``cp.async`` into shared memory) while one is folded in, rather
-    than one L2 round trip per split.
-
-    Ordering: the caller's acq_rel counter orders these loads after the other splits' stores (in SASS the atomic is
-    followed by an L1 invalidation and a barrier before the first load). The ``.cg`` hint is kept where Triton can:
-    4-byte ``cp.async`` copies (the lse loads of the pipelined loop) only exist as ``.ca``, which the acquire makes
-    safe all the same."""
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for s in tl.range(0, num_splits, num_stages=MERGE_STAGES):
-        lse_s = tl.load(p_lse + s * split_stride_lse, mask=m_r, other=float("-inf"), cache_modifier=".cg")
-        o_s = tl.load(p_o + s * split_stride_o, mask=m_r[:, None] & m_dv[None, :], other=0.0, cache_modifier=".cg")
-        m, l, acc = merge_state_step(m, l, acc, lse_s, o_s)
-    return finalize_merge(m, l, acc)
-
-
-@triton.jit
 def _merge_splits_at_once(P_O, P_LSE, first, row0, rows, num_splits, o_dv, m_dv, SPLITS: tl.constexpr,
                           ROWS: tl.constexpr, HEAD_DIM_V: tl.constexpr):
     """Merge the ``num_splits`` partial states of packed rows ``[row0, row0 + ROWS)`` (of ``rows``: one row block's)
     with one load of all of them (``[ROWS, SPLITS, BLOCK_DV]``, the splits padded to a power of two): one L2 round
-    trip, where the loop of ``_merge_splits`` takes one per pipeline depth. The same weights, ``exp(lse_s − max
+    trip, where the loop of ``merge_splits`` takes one per pipeline depth. The same weights, ``exp(lse_s − max
     lse)``, summed over the splits in a fixed tree order (deterministic; a single non-empty split comes back bit for
     bit). Rows lead the load so that Triton spreads the warps over the rows and each thread sums its splits in
     registers; with the splits leading, one split a warp, the sum crossed the warps through shared memory (NOTES
@@ -280,7 +258,7 @@ def decode_kernel(
                                                        m_dv, MERGE_SPLITS, MERGE_ROWS, HEAD_DIM_V)
                     w_i, w_h, w_r = packed_rows(merge_row0, off_hkv, seqlen_q, MERGE_ROWS, GROUP)
                 else:
-                    w_o, w_lse = _merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M,
+                    w_o, w_lse = merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M,
                                                BLOCK_DV, MERGE_STAGES)
                     w_i, w_h, w_r = o_i, o_h, m_r
                 _store_state(O, LSE, w_o, w_lse, off_b, w_i, w_h, w_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP,

@@ -30,6 +30,11 @@ too), it computes one block fewer (``_own_blocks``) and only releases that block
 A program's tiles hand over: the next tile's first QKᵀ is issued right after this tile's last P·V and runs under
 this tile's epilogue. Q has ``q_stages`` buffers (a second lets the producer load the next tile's Q early).
 
+A non-causal persistent launch's tiles are equal, so where they are not a whole number of laps the last lap leaves
+SMs idle. With ``SPLIT`` (``launch``: ``fwd_tail_pieces``) that lap's tiles run as pieces of their key blocks, more
+items than tiles (``_tile_coords``); a piece's o and lse leave in float32 (``_store_piece``) and ``merge_pieces``, a
+Triton kernel launched after this one, merges each tile's pieces in order into o and lse.
+
 A sliding window (``WINDOW``) runs as a causal launch whose diagonal moves right by the window's right side: a tile's
 key blocks start at the block holding its first row's left edge (``_key0``: blocks left of it are not loaded), and
 ``_softmax`` also masks blocks that start left of a warpgroup's last row's left edge. Every warpgroup of a tile
@@ -50,6 +55,8 @@ import functools
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -58,9 +65,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
-from ._common import LOG2E
+from ._common import LOG2E, merge_splits
 from . import _launch as launch_cache
-from ._launch import bounded_put, cdiv, keep_by_address, sm_count, start
+from ._configs import FWD_TAIL_MIN_KEYS, fwd_tail_pieces
+from ._launch import bounded_put, cdiv, keep_by_address, launch as launch_kernel, sm_count, start
 
 ROWS_PER_WARPGROUP = 64
 O_COLUMNS = 128  # an O store's box width (d = 256 stores two halves: a whole-row buffer would not fit)
@@ -95,11 +103,12 @@ class Tile:
     EARLY_P: gl.constexpr  # the forward: a block's P becomes wgmma's A operand right after its softmax (_step)
     WINDOW: gl.constexpr  # the forward: a sliding window's left edge bounds the keys too (with CAUSAL: its right)
     SINK: gl.constexpr  # the forward: a sink logit per head joins each row's normaliser (_sink)
+    SPLIT: gl.constexpr  # the forward: the last lap's tiles run as pieces of their key blocks (_tile_coords)
 
     @gluon.constexpr_function
     def __init__(self, WG, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP=1, FUSED_DQ=False, ORDERED=False,
                  Q_STAGES=1, TMA_OUT=False, HALF_DIAG=False, EARLY_DV=False, LAST_BLOCK_FIRST=False,
-                 PERSISTENT=False, LAZY_RESCALE=False, EARLY_P=False, WINDOW=False, SINK=False):
+                 PERSISTENT=False, LAZY_RESCALE=False, EARLY_P=False, WINDOW=False, SINK=False, SPLIT=False):
         self.WG = gl.constexpr(WG)
         self.BLOCK_M = gl.constexpr(BLOCK_M)
         self.BLOCK_N = gl.constexpr(BLOCK_N)
@@ -119,22 +128,26 @@ class Tile:
         self.EARLY_P = gl.constexpr(EARLY_P)
         self.WINDOW = gl.constexpr(WINDOW)
         self.SINK = gl.constexpr(SINK)
+        self.SPLIT = gl.constexpr(SPLIT)
 
 
 @gluon.jit
 def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh,
                               seqlen_q, seqlen_k, heads_q, group, qk_scale, num_tiles, window_left, window_right,
-                              SINKS, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                              SINKS, O_PART, LSE_PART, split_full, split_pieces, BLOCK_M: gl.constexpr,
+                              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, Q_STAGES: gl.constexpr,
                               HALF_DIAG: gl.constexpr, LAZY_RESCALE: gl.constexpr, EARLY_P: gl.constexpr,
-                              WINDOW: gl.constexpr, SINK: gl.constexpr):
+                              WINDOW: gl.constexpr, SINK: gl.constexpr, SPLIT: gl.constexpr):
     """Programs take tiles ``pid, pid + programs, ...`` of ``num_tiles`` (one each when the grid covers them all).
     With ``HALF_DIAG`` warpgroup 0 takes each tile's diagonal block at half width (``_half_end``); with
     ``LAZY_RESCALE`` rows keep their running max until a score passes it by 2^8 (``_softmax``); with ``EARLY_P``
     a block's P is converted to wgmma's A operand right after its softmax (``_step``). With ``WINDOW`` (launched
     ``CAUSAL``) query i sees keys i + diag - window_left .. i + diag + window_right (diag = Sk - Sq): a tile's key
     blocks start at its first row's left edge (``_key0``). With ``SINK``, ``SINKS [Hq]`` holds a logit per head that
-    joins every row's normaliser with no value (``_sink``; None without)."""
+    joins every row's normaliser with no value (``_sink``; None without). With ``SPLIT`` (plain, not causal) items
+    from ``split_full`` on are pieces, ``split_pieces`` a tile, of the last lap's tiles: ``num_tiles`` counts items,
+    and a piece's float32 state goes to ``O_PART`` and ``LSE_PART`` for ``merge_pieces`` (None without)."""
     dtype: gl.constexpr = q_desc.dtype
     CONSUMERS: gl.constexpr = BLOCK_M // 64  # warpgroups, 64 rows each
     gl.static_assert((CONSUMERS == 2) | ((CONSUMERS == 3) & (not HALF_DIAG)), "128 or 192 rows; HALF_DIAG at 128")
@@ -169,14 +182,19 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
     group = gl.to_tensor(group)
     stride_lb = gl.to_tensor(stride_lb)
     stride_lh = gl.to_tensor(stride_lh)
-    shape = (seqlen_q, seqlen_k, heads_q, num_tiles, gl.to_tensor(window_left), gl.to_tensor(window_right))
+    shape = (seqlen_q, seqlen_k, heads_q, num_tiles, gl.to_tensor(window_left), gl.to_tensor(window_right),
+             gl.to_tensor(split_full), gl.to_tensor(split_pieces))
     if SINK:
         sinks = SINKS
     else:  # a partition argument must be an IR value: lse's pointer stands in, never read
         sinks = LSE
-    consumer = smem + shape + (o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale, sinks)
+    if SPLIT:
+        parts = (O_PART, LSE_PART)
+    else:  # as for the sinks
+        parts = (LSE, LSE)
+    consumer = smem + shape + (o_desc, o_smem, LSE, stride_lb, stride_lh, qk_scale, sinks) + parts
     tile = Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, Q_STAGES=Q_STAGES, HALF_DIAG=HALF_DIAG,
-                LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P, WINDOW=WINDOW, SINK=SINK)
+                LAZY_RESCALE=LAZY_RESCALE, EARLY_P=EARLY_P, WINDOW=WINDOW, SINK=SINK, SPLIT=SPLIT)
     producer = (q_desc, k_desc, v_desc) + smem + shape + (group, tile)
     wg0, wg1 = consumer + (tile,), consumer + (_warpgroup(tile, 1),)
     if CONSUMERS == 2:  # (Gluon builds the partition list only from literals)
@@ -190,12 +208,17 @@ def attention_fwd_sm90_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, st
 def _warpgroup(tile, wg):
     """Consumer warpgroup ``wg``'s copy of warpgroup 0's ``tile`` (``HALF_DIAG`` is warpgroup 0's alone)."""
     return Tile(wg, tile.BLOCK_M, tile.BLOCK_N, tile.HEAD_DIM, tile.STAGES, tile.CAUSAL, Q_STAGES=tile.Q_STAGES,
-                LAZY_RESCALE=tile.LAZY_RESCALE, EARLY_P=tile.EARLY_P, WINDOW=tile.WINDOW, SINK=tile.SINK)
+                LAZY_RESCALE=tile.LAZY_RESCALE, EARLY_P=tile.EARLY_P, WINDOW=tile.WINDOW, SINK=tile.SINK,
+                SPLIT=tile.SPLIT)
 
 
 @gluon.jit
-def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band, tile):
-    """Tile ``t`` -> (batch, q head, first row, key blocks from ``_key0``). A head's row tiles are adjacent (they share
+def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band, split, tile):
+    """Item ``t`` -> (batch, q head, first row, key blocks, first key (``_key0``), piece slot). Without SPLIT an item
+    is a tile and its slot -1. With SPLIT (``split``: (first piece item, pieces a tile)) the items from the first
+    piece on are pieces of the last lap's tiles, a tile's pieces in turn: piece ``p`` of ``s`` takes key blocks
+    ``p · n / s`` to ``(p + 1) · n / s`` of the tile's ``n``, its slot its place among the pieces (``_store_piece``).
+    A head's row tiles are adjacent (they share
     K and V in L2: interleaving the heads instead cost 2-5 % causal at N >= 4096, session 19); under causal they come
     bottom first (the most key blocks; under a window all but the first window's rows have as many), so within a head
     the tiles handed out last are the short ones. A program takes ``t = pid, pid + programs, ...`` (laps of ``programs``
@@ -206,6 +229,11 @@ def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band, tile):
     there: NaN where that block of V holds inf or NaN, as for any masked key of a computed block; with HALF_DIAG
     warpgroup 0 multiplies only the block's first 64 keys' V)."""
     t = snake(t, num_tiles)
+    slot = t * 0 - 1
+    if tile.SPLIT:
+        if t >= split[0]:
+            slot = t - split[0]
+            t = split[0] + slot // split[1]
     num_m = gl.cdiv(seqlen_q, tile.BLOCK_M)
     pid_m = t % num_m
     if tile.CAUSAL:
@@ -215,8 +243,15 @@ def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band, tile):
     hi = seqlen_k
     if tile.CAUSAL:  # bottom-right diagonal: row i sees keys j <= i + Sk - Sq (+ a window's right side)
         hi = gl.minimum(seqlen_k, m0 + tile.BLOCK_M + seqlen_k - seqlen_q + _right(band, tile))
-    n_blocks = gl.maximum(gl.cdiv(hi, tile.BLOCK_N), 1) - _key0(m0, seqlen_q, seqlen_k, band, tile) // tile.BLOCK_N
-    return pid_bh // heads_q, pid_bh % heads_q, m0, n_blocks
+    key0 = m0 * 0 + _key0(m0, seqlen_q, seqlen_k, band, tile)
+    n_blocks = gl.maximum(gl.cdiv(hi, tile.BLOCK_N), 1) - key0 // tile.BLOCK_N
+    if tile.SPLIT:
+        if slot >= 0:
+            piece = slot % split[1]
+            first = piece * n_blocks // split[1]
+            key0 = first * tile.BLOCK_N
+            n_blocks = (piece + 1) * n_blocks // split[1] - first
+    return pid_bh // heads_q, pid_bh % heads_q, m0, n_blocks, key0, slot
 
 
 @gluon.jit
@@ -233,10 +268,13 @@ def _right(band, tile):
 def _key0(m0, seqlen_q, seqlen_k, band, tile):
     """The first key of the blocks of the tile from row ``m0``: 0, or under WINDOW the start of the block holding
     the left edge of that row (key m0 + Sk - Sq - left), left of which no row of the tile sees a key. Each
-    warpgroup computes from there (a later warpgroup's rows may see none of that block: it is masked)."""
+    warpgroup computes from there (a later warpgroup's rows may see none of that block: it is masked). With SPLIT,
+    ``band[2]``: the item's first key (``_tile_coords``; the band the partitions make per item)."""
     key0 = 0
     if tile.WINDOW:
         key0 = gl.maximum(m0 + seqlen_k - seqlen_q - band[0], 0) // tile.BLOCK_N * tile.BLOCK_N
+    elif tile.SPLIT:
+        key0 = band[2]
     return key0
 
 
@@ -252,7 +290,8 @@ def snake(t, num_tiles):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              seqlen_q, seqlen_k, heads_q, num_tiles, window_left, window_right, group, tile):
+              seqlen_q, seqlen_k, heads_q, num_tiles, window_left, window_right, split_full, split_pieces, group,
+              tile):
     """One warp: per tile, Q into the next of ``Q_STAGES`` buffers once every consumer has released its last tile,
     then K_j and V_j into the ring's next stages (``it`` counts blocks across tiles) once every consumer has
     released them."""
@@ -260,11 +299,12 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     STAGES: gl.constexpr = tile.STAGES
     Q_ROWS: gl.constexpr = q_desc.block_type.shape[1]
     Q_BOXES: gl.constexpr = tile.BLOCK_M // Q_ROWS
-    band = (window_left, window_right)
+    band = (window_left, window_right, 0)
     it = 0
     n = 0  # tiles so far: Q buffer n % Q_STAGES
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_b, off_h, m0, n_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band, tile)
+        off_b, off_h, m0, n_blocks, key0, slot = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band,
+                                                              (split_full, split_pieces), tile)
         slot = n % tile.Q_STAGES
         mbarrier.wait(q_empty.index(slot), ((n // tile.Q_STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         mbarrier.expect(q_ready.index(slot), Q_BOXES * q_desc.block_type.nbytes)
@@ -273,7 +313,6 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                             q_smem.index(slot * Q_BOXES + i))
         n += 1
         off_hkv = off_h // group
-        key0 = _key0(m0, seqlen_q, seqlen_k, band, tile)
         for j in range(n_blocks):
             stage = it % STAGES
             phase = (it // STAGES) & 1
@@ -290,47 +329,56 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
 
 @gluon.jit
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-              seqlen_q, seqlen_k, heads_q, num_tiles, window_left, window_right, o_desc, o_smem, LSE, stride_lb,
-              stride_lh, qk_scale, SINKS, tile):
+              seqlen_q, seqlen_k, heads_q, num_tiles, window_left, window_right, split_full, split_pieces, o_desc,
+              o_smem, LSE, stride_lb, stride_lh, qk_scale, SINKS, O_PART, LSE_PART, tile):
     """One warpgroup: per tile, its 64 rows' online softmax over the key blocks they see (``_rest``), then their output
     (by TMA, ``_store_o``) and log-sum-exp. Tiles hand over (``_handover``): the next tile's first QKᵀ is issued
     right after this tile's last P·V and runs under this tile's epilogue, so the tensor cores do not drain between
-    tiles. ``it`` is the ring index of the tile's first key block, ``n`` the tile's place in the program's run."""
+    tiles. ``it`` is the ring index of the tile's first key block, ``n`` the tile's place in the program's run.
+    Under SPLIT an item may be a piece of a tile (``_tile_coords``): the same, over its key blocks, its state to
+    ``_store_piece``; ``band``'s third value is the item's first key."""
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_N: gl.constexpr = tile.BLOCK_N
     s_layout: gl.constexpr = _acc_layout(BLOCK_N)
     o_layout: gl.constexpr = _acc_layout(D)
     rings = (q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty)
-    out = (o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q)
-    band = (window_left, window_right)
+    out = (o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q, O_PART, LSE_PART)
+    split = (split_full, split_pieces)
     programs = gl.num_programs(0)
-    off_b, off_h, m0, n_blocks = _tile_coords(gl.program_id(0), seqlen_q, seqlen_k, heads_q, num_tiles, band, tile)
+    off_b, off_h, m0, n_blocks, key0, slot = _tile_coords(gl.program_id(0), seqlen_q, seqlen_k, heads_q, num_tiles,
+                                                          (window_left, window_right, 0), split, tile)
+    band = (window_left, window_right, key0)
     row0 = m0 + tile.WG * 64
     own = _own_blocks(row0, n_blocks, seqlen_q, seqlen_k, band, tile)
     it = 0
     n = 0
     p, m_i, l_i = _first_block(rings, it, n, row0, own, seqlen_q, seqlen_k, band, qk_scale, _sink(SINKS, off_h, tile),
                                tile, s_layout)
-    for t in range(gl.program_id(0) + programs, num_tiles, programs):  # t: the next tile
+    for t in range(gl.program_id(0) + programs, num_tiles, programs):  # t: the next item
+        band = (window_left, window_right, key0)
         acc = gl.zeros([64, D], gl.float32, layout=o_layout)
         p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, own, seqlen_q, seqlen_k, band,
                                       qk_scale, tile, s_layout, o_layout)
-        next_b, next_h, next_m0, next_blocks = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band, tile)
+        next_b, next_h, next_m0, next_blocks, next_key0, next_slot = _tile_coords(
+            t, seqlen_q, seqlen_k, heads_q, num_tiles, (window_left, window_right, 0), split, tile)
+        next_band = (window_left, window_right, next_key0)
         next_row0 = next_m0 + tile.WG * 64
-        next_own = _own_blocks(next_row0, next_blocks, seqlen_q, seqlen_k, band, tile)
+        next_own = _own_blocks(next_row0, next_blocks, seqlen_q, seqlen_k, next_band, tile)
         p, m_i, l_i = _handover(rings, out, p_last, m_i, l_i, acc, it + own - 1, it + n_blocks, n + 1, off_b, off_h,
-                                row0, next_row0, next_own, seqlen_k, band, qk_scale, _sink(SINKS, next_h, tile), tile,
-                                s_layout, o_layout)
+                                row0, slot, next_row0, next_own, seqlen_k, next_band, qk_scale,
+                                _sink(SINKS, next_h, tile), tile, s_layout, o_layout)
         it += n_blocks
         n += 1
-        off_b, off_h, row0, n_blocks, own = next_b, next_h, next_row0, next_blocks, next_own
+        off_b, off_h, row0, n_blocks, own, key0, slot = next_b, next_h, next_row0, next_blocks, next_own, next_key0, \
+            next_slot
+    band = (window_left, window_right, key0)
     acc = gl.zeros([64, D], gl.float32, layout=o_layout)
     p_last, m_i, l_i, acc = _rest(rings, p, m_i, l_i, acc, it, n, row0, own, seqlen_q, seqlen_k, band, qk_scale,
                                   tile, s_layout, o_layout)
     acc, p_op = _last_pv(rings, p_last, acc, it + own - 1, tile)
     acc, p_op = warpgroup_mma_wait(0, deps=(acc, p_op))
     mbarrier.arrive(v_empty.index((it + own - 1) % tile.STAGES), count=1)
-    _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout, o_layout)
+    _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, slot, tile, s_layout, o_layout)
     tma.store_wait(0)  # the last tile's O has left shared memory
 
 
@@ -494,12 +542,13 @@ def _half_block(rings, p, m_i, l_i, acc, last, n, row0, start_n, seqlen_q, seqle
 
 
 @gluon.jit
-def _handover(rings, out, p, m_i, l_i, acc, last, next_it, n, off_b, off_h, row0, next_row0, next_blocks, seqlen_k,
-              band, qk_scale, next_sink, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
+def _handover(rings, out, p, m_i, l_i, acc, last, next_it, n, off_b, off_h, row0, slot, next_row0, next_blocks,
+              seqlen_k, band, qk_scale, next_sink, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """From a tile whose last block this warpgroup sees (ring index ``last``) is done up to its softmax (``p``, as
     ``_last_pv`` takes it) to the next tile (the run's ``n``-th, its first block the ring's ``next_it``; blocks in
     between are skipped): issue the last P·V, then the next tile's first QKᵀ; once the P·V is done, write this
-    tile's output while that QKᵀ runs; then the next tile's first softmax. Returns the next tile's (p, m, l).
+    tile's output while that QKᵀ runs (``slot``: its piece slot, ``_epilogue``); then the next tile's first softmax
+    (``band``: the next tile's). Returns the next tile's (p, m, l).
     (Issuing the QKᵀ after the output instead read the same or up to 4 % slower, NOTES v14.)"""
     q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty = rings
     acc, p_op = _last_pv(rings, p, acc, last, tile)
@@ -507,8 +556,8 @@ def _handover(rings, out, p, m_i, l_i, acc, last, next_it, n, off_b, off_h, row0
     s = _first_qk(rings, n, next_it, tile, s_layout)
     acc, p_op = warpgroup_mma_wait(1, deps=(acc, p_op))  # the P·V, issued first, is done; the QKᵀ may still run
     mbarrier.arrive(v_empty.index(last % tile.STAGES), count=1)
-    _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout, o_layout)
-    o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q = out
+    _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, slot, tile, s_layout, o_layout)
+    seqlen_q = out[5]
     return _first_softmax(rings, s, n, next_it, next_row0, next_blocks, seqlen_q, seqlen_k, band, qk_scale,
                           next_sink, tile, s_layout)
 
@@ -579,16 +628,44 @@ def _p_layout(head_dim):
 
 
 @gluon.jit
-def _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
+def _epilogue(out, acc, m_i, l_i, off_b, off_h, row0, slot, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
     """o = acc / l and lse = (m + log2 l) · ln 2 for the warpgroup's 64 rows; a row that saw no key gets o = 0 and
-    lse = -inf."""
-    o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q = out
+    lse = -inf. A piece (SPLIT, ``slot`` >= 0) leaves them in float32 for ``merge_pieces`` (``_store_piece``)."""
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
     o = acc / gl.where(l_o == 0.0, 1.0, l_o)[:, None]
+    if tile.SPLIT:
+        if slot >= 0:
+            _store_piece(o, _lse(m_i, l_i), out[6], out[7], slot, tile, s_layout, o_layout)
+        else:
+            _store_rows(o, m_i, l_i, out, off_b, off_h, row0, tile, s_layout)
+    else:
+        _store_rows(o, m_i, l_i, out, off_b, off_h, row0, tile, s_layout)
+
+
+@gluon.jit
+def _lse(m_i, l_i):
+    """Rows' natural log-sum-exp from their base-2 max and sum; -inf where they saw no key."""
+    return gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
+
+
+@gluon.jit
+def _store_rows(o, m_i, l_i, out, off_b, off_h, row0, tile, s_layout: gl.constexpr):
+    """The warpgroup's 64 rows of o (by TMA, ``_store_o``) and lse (those before the end)."""
+    o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q, O_PART, LSE_PART = out
     _store_o(o.to(o_desc.dtype), o_desc, o_smem.index(tile.WG), off_b, row0, off_h)
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    lse = gl.where(l_i == 0.0, float("-inf"), (m_i + gl.log2(l_i)) * 0.6931471805599453)
-    gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
+    gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, _lse(m_i, l_i), mask=rows < seqlen_q)
+
+
+@gluon.jit
+def _store_piece(o, lse, O_PART, LSE_PART, slot, tile, s_layout: gl.constexpr, o_layout: gl.constexpr):
+    """A piece's state, float32 ``o`` and ``lse`` of the warpgroup's 64 rows (those past the end too: the merge
+    drops them), into slot ``slot`` of ``O_PART [slots, BLOCK_M, D]`` and ``LSE_PART [slots, BLOCK_M]``."""
+    base = slot.to(gl.int64) * tile.BLOCK_M + tile.WG * 64
+    r_o = base + gl.arange(0, 64, layout=gl.SliceLayout(1, o_layout))
+    c_o = gl.arange(0, tile.HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    gl.store(O_PART + r_o[:, None] * tile.HEAD_DIM + c_o[None, :], o)
+    gl.store(LSE_PART + base + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout)), lse)
 
 
 @gluon.jit
@@ -807,16 +884,65 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False,
     grid = (programs(num_tiles, sq, sk, masked, cfg.block_m, cfg.block_n, _sm_count(q.device), band)
             if cfg.persistent else num_tiles,)
     left, right = band or (0, 0)
+    plain = cfg.persistent and not masked and sinks is None and sk >= FWD_TAIL_MIN_KEYS.get(d, sk + 1)
+    pieces = fwd_tail_pieces(num_tiles, grid[0], cdiv(sk, cfg.block_n)) if plain else 1
+    full = num_tiles - num_tiles % grid[0] if pieces > 1 else num_tiles
+    parts = (None, None)
+    if pieces > 1:  # the last lap's tiles in pieces: their float32 states, merged after (not kept: two launches)
+        slots = (num_tiles - full) * pieces
+        parts = (torch.empty((slots, cfg.block_m, d), device=q.device, dtype=torch.float32),
+                 torch.empty((slots, cfg.block_m), device=q.device, dtype=torch.float32))
+        keep = False
     kept = start(
         keep, attention_fwd_sm90_kernel, grid, 5,
         *descriptors(q, k, v, o, cfg), lse, lse.stride(0), lse.stride(1),
-        sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles, left, right, sinks,
+        sq, sk, hq, hq // hkv, scale * LOG2E, full + (num_tiles - full) * pieces, left, right, sinks, *parts,
+        full, pieces,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=masked,
         Q_STAGES=cfg.q_stages, HALF_DIAG=half_diagonal(sq, sk, causal, cfg),
         LAZY_RESCALE=cfg.lazy_rescale, EARLY_P=cfg.early_p, WINDOW=band is not None, SINK=sinks is not None,
-        num_warps=4,
+        SPLIT=pieces > 1, num_warps=4,
     )
+    if pieces > 1:
+        merge_pieces(*parts, o, lse, full, pieces)
     return grid, kept
+
+
+MERGE_ELEMENTS = 4096  # a merge program's rows times the head dim: 32 rows at d = 128
+
+
+@triton.jit
+def merge_pieces_kernel(O_PART, LSE_PART, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, first_tile,
+                        pieces, seqlen_q, heads_q, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """Tile ``first_tile + program_id(0)`` of a split launch: ``ROWS`` of its rows (``program_id(1)``), their
+    ``pieces`` partial states (slots ``program_id(0) · pieces ...`` of ``O_PART [slots, BLOCK_M, D]`` and ``LSE_PART
+    [slots, BLOCK_M]``) merged in piece order (``merge_splits``) into ``o [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]``;
+    rows past the end dropped. Tiles are numbered as ``_tile_coords`` numbers them without causal masking."""
+    split = tl.program_id(0)
+    t = first_tile + split
+    num_m = tl.cdiv(seqlen_q, BLOCK_M)
+    off_b = (t // num_m // heads_q).to(tl.int64)
+    off_h = t // num_m % heads_q
+    local = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+    rows = ((t % num_m) * BLOCK_M + local).to(tl.int64)
+    m_r = rows < seqlen_q
+    o_d = tl.arange(0, HEAD_DIM)
+    first = split.to(tl.int64) * pieces * BLOCK_M + local
+    o, lse = merge_splits(O_PART + first[:, None] * HEAD_DIM + o_d[None, :], LSE_PART + first, BLOCK_M * HEAD_DIM,
+                          BLOCK_M, pieces, m_r, o_d < HEAD_DIM, ROWS, HEAD_DIM, 1)
+    p_o = O + off_b * stride_ob + rows[:, None] * stride_os + off_h * stride_oh + o_d[None, :]
+    tl.store(p_o, o.to(O.dtype.element_ty), mask=m_r[:, None])
+    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + rows, lse, mask=m_r)
+
+
+def merge_pieces(o_part, lse_part, o, lse, first_tile: int, pieces: int) -> None:
+    """After a split launch: each split tile's pieces (``o_part [slots, BLOCK_M, D]``, ``lse_part [slots,
+    BLOCK_M]``, a tile's ``pieces`` slots in turn, tiles from ``first_tile``) merged into ``o`` and ``lse``."""
+    slots, block_m, d = o_part.shape
+    rows = MERGE_ELEMENTS // d
+    launch_kernel(merge_pieces_kernel, (slots // pieces, cdiv(block_m, rows)), o_part, lse_part, o, lse, o.stride(0),
+                  o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), first_tile, pieces, o.shape[1], o.shape[2],
+                  BLOCK_M=block_m, HEAD_DIM=d, ROWS=rows, num_warps=4)
 
 
 def half_diagonal(seqlen_q: int, seqlen_k: int, causal: bool, cfg) -> bool:
