@@ -629,29 +629,37 @@ def test_tail_pieces_cut_the_last_lap_where_it_saves():
 
 
 def test_launch_splits_the_tail_from_its_keys(monkeypatch):
-    """``forward_sm90.launch`` asks ``fwd_tail_pieces`` only for plain non-causal persistent launches with at least
-    FWD_TAIL_MIN_KEYS keys for the head dim (where the A/B gained or tied), and merges when it splits."""
+    """``forward_sm90.launch`` asks ``fwd_tail_pieces`` only for plain non-causal persistent launches (no window, no
+    sinks) with at least FWD_TAIL_MIN_KEYS keys for the head dim (where the A/B gained or tied), merges when it
+    splits, and then keeps no launch for relaunch (a repeat would skip the merge), whatever ``keep`` asked."""
     from onlineattn.ops import forward_sm90
-    asked, merged = [], []
+    asked, merged, kept = [], [], []
     monkeypatch.setattr(forward_sm90, "fwd_tail_pieces", lambda *a: asked.append(a) or 3)
-    monkeypatch.setattr(forward_sm90, "start", lambda *a, **kw: None)
+    monkeypatch.setattr(forward_sm90, "start", lambda keep, *a, **kw: kept.append(keep) or ("kept" if keep else None))
     monkeypatch.setattr(forward_sm90, "merge_pieces", lambda *a: merged.append(a[-2:]))
     monkeypatch.setattr(forward_sm90, "_sm_count", lambda device: 5)
     monkeypatch.setattr(forward_sm90, "descriptors", lambda *a: (None,) * 4)
     for d in (64, 128, 256):
         least = FWD_TAIL_MIN_KEYS[d]
-        for sk, causal, persistent, band in ((least, False, True, None), (least - 1, False, True, None),
-                                             (least, True, True, None), (least, False, False, None),
-                                             (least, False, True, (least, least))):
-            asked.clear(), merged.clear()
+        for sk, causal, persistent, band, sinks in ((least, False, True, None, None),
+                                                    (least - 1, False, True, None, None),
+                                                    (least, True, True, None, None),
+                                                    (least, False, False, None, None),
+                                                    (least, False, True, (least, least), None),
+                                                    (least, False, True, None, torch.zeros(2))):
+            asked.clear(), merged.clear(), kept.clear()
             cfg = replace(_FWD_WS[False][d], persistent=persistent)
             q = torch.empty(1, 700, 2, d, dtype=torch.bfloat16)
             k = torch.empty(1, sk, 2, d, dtype=torch.bfloat16)
-            forward_sm90.launch(q, k, k, torch.empty_like(q), torch.empty(1, 2, 700), 0.1, causal, cfg, band=band)
-            split = sk >= least and not causal and persistent and band is None
+            grid, relaunch = forward_sm90.launch(q, k, k, torch.empty_like(q), torch.empty(1, 2, 700), 0.1, causal,
+                                                 cfg, keep=True, band=band, sinks=sinks)
+            split = sk >= least and not causal and persistent and band is None and sinks is None
             tiles = 2 * -(-700 // cfg.block_m)
-            assert asked == ([(tiles, 5, -(-sk // cfg.block_n))] if split else []), (d, sk, causal, persistent, band)
-            assert merged == ([(tiles - tiles % 5, 3)] if split else [])
+            case = (d, sk, causal, persistent, band, sinks)
+            assert grid == ((5,) if persistent else (tiles,)), case
+            assert asked == ([(tiles, 5, -(-sk // cfg.block_n))] if split else []), case
+            assert merged == ([(tiles - tiles % 5, 3)] if split else []), case
+            assert kept == [not split] and (relaunch is None) == split, case
 
 
 def _tile_blocks(t, count, num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n, rows=None, band=None):

@@ -214,8 +214,8 @@ def _warpgroup(tile, wg):
 
 @gluon.jit
 def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band, split, tile):
-    """Item ``t`` -> (batch, q head, first row, key blocks, first key (``_key0``), piece slot). Without SPLIT an item
-    is a tile and its slot -1. With SPLIT (``split``: (first piece item, pieces a tile)) the items from the first
+    """Item ``t`` -> (batch, q head, first row, key blocks, a piece's first key, piece slot). Without SPLIT an item
+    is a tile, its first key 0 here (``_key0`` finds a window's) and its slot -1. With SPLIT (``split``: (first piece item, pieces a tile)) the items from the first
     piece on are pieces of the last lap's tiles, a tile's pieces in turn: piece ``p`` of ``s`` takes key blocks
     ``p · n / s`` to ``(p + 1) · n / s`` of the tile's ``n``, its slot its place among the pieces (``_store_piece``).
     A head's row tiles are adjacent (they share
@@ -243,8 +243,8 @@ def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band, split, tile):
     hi = seqlen_k
     if tile.CAUSAL:  # bottom-right diagonal: row i sees keys j <= i + Sk - Sq (+ a window's right side)
         hi = gl.minimum(seqlen_k, m0 + tile.BLOCK_M + seqlen_k - seqlen_q + _right(band, tile))
-    key0 = m0 * 0 + _key0(m0, seqlen_q, seqlen_k, band, tile)
-    n_blocks = gl.maximum(gl.cdiv(hi, tile.BLOCK_N), 1) - key0 // tile.BLOCK_N
+    n_blocks = gl.maximum(gl.cdiv(hi, tile.BLOCK_N), 1) - _key0(m0, seqlen_q, seqlen_k, band, tile) // tile.BLOCK_N
+    key0 = m0 * 0
     if tile.SPLIT:
         if slot >= 0:
             piece = slot % split[1]
@@ -303,8 +303,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
     it = 0
     n = 0  # tiles so far: Q buffer n % Q_STAGES
     for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-        off_b, off_h, m0, n_blocks, key0, slot = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band,
-                                                              (split_full, split_pieces), tile)
+        off_b, off_h, m0, n_blocks, first, _ = _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band,
+                                                            (split_full, split_pieces), tile)
         slot = n % tile.Q_STAGES
         mbarrier.wait(q_empty.index(slot), ((n // tile.Q_STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
         mbarrier.expect(q_ready.index(slot), Q_BOXES * q_desc.block_type.nbytes)
@@ -313,6 +313,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_empty, 
                                             q_smem.index(slot * Q_BOXES + i))
         n += 1
         off_hkv = off_h // group
+        key0 = _key0(m0, seqlen_q, seqlen_k, (window_left, window_right, first), tile)
         for j in range(n_blocks):
             stage = it % STAGES
             phase = (it // STAGES) & 1
@@ -654,7 +655,8 @@ def _store_rows(o, m_i, l_i, out, off_b, off_h, row0, tile, s_layout: gl.constex
     o_desc, o_smem, LSE, stride_lb, stride_lh, seqlen_q, O_PART, LSE_PART = out
     _store_o(o.to(o_desc.dtype), o_desc, o_smem.index(tile.WG), off_b, row0, off_h)
     rows = row0 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_layout))
-    gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, _lse(m_i, l_i), mask=rows < seqlen_q)
+    lse = _lse(m_i, l_i)
+    gl.store(LSE + off_b.to(gl.int64) * stride_lb + off_h * stride_lh + rows, lse, mask=rows < seqlen_q)
 
 
 @gluon.jit
@@ -886,7 +888,7 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False,
     left, right = band or (0, 0)
     plain = cfg.persistent and not masked and sinks is None and sk >= FWD_TAIL_MIN_KEYS.get(d, sk + 1)
     pieces = fwd_tail_pieces(num_tiles, grid[0], cdiv(sk, cfg.block_n)) if plain else 1
-    full = num_tiles - num_tiles % grid[0] if pieces > 1 else num_tiles
+    full = num_tiles - num_tiles % grid[0] if pieces > 1 else 1  # 1 (with pieces 1): no kernel argument
     parts = (None, None)
     if pieces > 1:  # the last lap's tiles in pieces: their float32 states, merged after (not kept: two launches)
         slots = (num_tiles - full) * pieces
@@ -896,8 +898,8 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False,
     kept = start(
         keep, attention_fwd_sm90_kernel, grid, 5,
         *descriptors(q, k, v, o, cfg), lse, lse.stride(0), lse.stride(1),
-        sq, sk, hq, hq // hkv, scale * LOG2E, full + (num_tiles - full) * pieces, left, right, sinks, *parts,
-        full, pieces,
+        sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles + (num_tiles - full) * (pieces - 1), left, right, sinks,
+        *parts, full, pieces,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=masked,
         Q_STAGES=cfg.q_stages, HALF_DIAG=half_diagonal(sq, sk, causal, cfg),
         LAZY_RESCALE=cfg.lazy_rescale, EARLY_P=cfg.early_p, WINDOW=band is not None, SINK=sinks is not None,
@@ -918,11 +920,12 @@ def merge_pieces_kernel(O_PART, LSE_PART, O, LSE, stride_ob, stride_os, stride_o
     ``pieces`` partial states (slots ``program_id(0) · pieces ...`` of ``O_PART [slots, BLOCK_M, D]`` and ``LSE_PART
     [slots, BLOCK_M]``) merged in piece order (``merge_splits``) into ``o [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]``;
     rows past the end dropped. Tiles are numbered as ``_tile_coords`` numbers them without causal masking."""
+    tl.static_assert(BLOCK_M % ROWS == 0, "a tile's rows split evenly between its merge programs")
     split = tl.program_id(0)
     t = first_tile + split
     num_m = tl.cdiv(seqlen_q, BLOCK_M)
     off_b = (t // num_m // heads_q).to(tl.int64)
-    off_h = t // num_m % heads_q
+    off_h = (t // num_m % heads_q).to(tl.int64)  # o's head stride may be Sq · D (a head-major view): 64-bit sums
     local = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     rows = ((t % num_m) * BLOCK_M + local).to(tl.int64)
     m_r = rows < seqlen_q
