@@ -215,10 +215,10 @@ def _warpgroup(tile, wg):
 @gluon.jit
 def _tile_coords(t, seqlen_q, seqlen_k, heads_q, num_tiles, band, split, tile):
     """Item ``t`` -> (batch, q head, first row, key blocks, a piece's first key, piece slot). Without SPLIT an item
-    is a tile, its first key 0 here (``_key0`` finds a window's) and its slot -1. With SPLIT (``split``: (first piece item, pieces a tile)) the items from the first
-    piece on are pieces of the last lap's tiles, a tile's pieces in turn: piece ``p`` of ``s`` takes key blocks
-    ``p · n / s`` to ``(p + 1) · n / s`` of the tile's ``n``, its slot its place among the pieces (``_store_piece``).
-    A head's row tiles are adjacent (they share
+    is a tile, its first key 0 here (``_key0`` finds a window's) and its slot -1. With SPLIT (``split``: (first
+    piece item, pieces a tile)) the items from the first piece on are pieces of the last lap's tiles, a tile's
+    pieces in turn: piece ``p`` of ``s`` takes key blocks ``p · n / s`` to ``(p + 1) · n / s`` of the tile's ``n``,
+    its slot its place among the pieces (``_store_piece``). A head's row tiles are adjacent (they share
     K and V in L2: interleaving the heads instead cost 2-5 % causal at N >= 4096, session 19); under causal they come
     bottom first (the most key blocks; under a window all but the first window's rows have as many), so within a head
     the tiles handed out last are the short ones. A program takes ``t = pid, pid + programs, ...`` (laps of ``programs``
