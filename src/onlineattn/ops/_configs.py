@@ -238,7 +238,7 @@ _FWD_WS_WIDE = {False: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, persisten
 #   a 3 % tail. .devrun/tail52.py (cold | eager TFLOP/s, two rounds) against shapes of whole laps (more rows or
 #   heads, the same keys): d = 128 N = 16384 690-691 | 608-615 -> 709 | 628-631 (16896 rows), N = 2048 646-647 |
 #   573-574 -> 665-666 | 582-585 (132 heads, not 128), d = 256 N = 4096 749-750 | 647-653 -> 761 | 674-676 (4224
-#   rows); cuDNN gained 1-2 % the same way. So the last lap's tiles are cut into pieces of key blocks
+#   rows); cuDNN gained 0-2 % the same way (2-6 % at d = 256). So the last lap's tiles are cut into pieces of key blocks
 #   (``fwd_tail_pieces``), whose float32 states a second launch merges (forward_sm90.merge_pieces). The piece
 #   count: counted in key blocks, a tile costing its blocks plus one (forward_sm90.programs' model), the pieces' lap
 #   against a whole tile's, pieces of at least FWD_TAIL_MIN_PIECE_BLOCKS, where that saves FWD_TAIL_MIN_GAIN of the
