@@ -259,7 +259,7 @@ def decode_kernel(
                     w_i, w_h, w_r = packed_rows(merge_row0, off_hkv, seqlen_q, MERGE_ROWS, GROUP)
                 else:
                     w_o, w_lse = merge_splits(p_o, p_lse, rows * HEAD_DIM_V, rows, num_splits, m_r, m_dv, BLOCK_M,
-                                               BLOCK_DV, MERGE_STAGES)
+                                              BLOCK_DV, MERGE_STAGES)
                     w_i, w_h, w_r = o_i, o_h, m_r
                 _store_state(O, LSE, w_o, w_lse, off_b, w_i, w_h, w_r, o_dv, m_dv, seqlen_q, HEADS_KV * GROUP,
                              HEAD_DIM_V, STORE_LSE)
