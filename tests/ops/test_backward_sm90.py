@@ -302,7 +302,7 @@ def test_ordered_launches_go_head_after_head(monkeypatch):
     from onlineattn.ops import backward_sm90
 
     seen = []
-    monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: seen.append(a[-3]) or (a[2], None))  # head_group
+    monkeypatch.setattr(backward_sm90, "start", lambda *a, **kw: seen.append(a[-7]) or (a[2], None))  # head_group
     q, k, v, do = (torch.randn(1, 300, 2, 128, dtype=torch.bfloat16) for _ in range(4))
     lse = torch.randn(1, 2, 300)
     acc = dict(dq_acc=torch.zeros(1, 320, 2, 128))
@@ -415,6 +415,14 @@ SHAPES = [  # b, sq, sk, hq, hkv
 ]
 
 
+def gpu_inputs(shape, d: int, dtype, seed: int) -> tuple:
+    """q, k, v and do of ``shape`` (b, sq, sk, hq, hkv, ...) on the GPU: standard normal, drawn on the CPU."""
+    b, sq, sk, hq, hkv = shape[:5]
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(b, n, h, d, generator=g).to("cuda", dtype)
+                 for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+
+
 @gpu
 @sm90
 @pytest.mark.parametrize("d,fused,ordered,rows", [(64, False, False, 0), (64, True, False, 0), (64, True, True, 0),
@@ -462,11 +470,8 @@ def test_persistent_programs_take_many_key_blocks(shape, causal, d, fused, wide,
 
     monkeypatch.setattr(backward_sm90, "_sm_count", lambda device: 3)
     monkeypatch.setattr(B.launch_cache, "enabled", False)  # no kept launch of another grid
-    b, sq, sk, hq, hkv = shape
     dtype = torch.bfloat16
-    g = torch.Generator().manual_seed(sum(shape) + d + causal)
-    q, k, v, do = (torch.randn(b, n, h, d, generator=g).to("cuda", dtype)
-                   for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
+    q, k, v, do = gpu_inputs(shape, d, dtype, seed=sum(shape) + d + causal)
     o, lse = F.forward(q, k, v, d**-0.5, causal)
     tile = fused_dq_tile(d, causal=causal) if fused else _BWD_WS_DKDV[d]
     base = replace(bwd_config(d, d, dtype, "cuda", causal=causal), dkdv=tile)

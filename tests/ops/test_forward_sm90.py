@@ -18,8 +18,8 @@ from onlineattn._mods import PLAIN, Mods
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import (
     _FWD_WS, _FWD_WS_SHORT, _FWD_WS_WIDE, LAZY_RESCALE_FROM, WS_CAUSAL_PERSISTENT_BELOW, WS_MIN_KEYS, WS_SHORT_KEYS,
-    WS_WIDE_FROM, WS_WINDOW_MIN_SPAN, WS_WINDOW_PERSISTENT_BELOW, FWD_TAIL_MAX_PIECES, FWD_TAIL_MIN_GAIN,
-    FWD_TAIL_MIN_KEYS, FWD_TAIL_MIN_PIECE_BLOCKS, fwd_config, fwd_tail_pieces,
+    WS_WIDE_FROM, WS_WINDOW_MIN_SPAN, WS_WINDOW_PERSISTENT_BELOW, TAIL_MAX_PIECES, TAIL_MIN_GAIN,
+    FWD_TAIL_MIN_KEYS, TAIL_MIN_PIECE_BLOCKS, fwd_config, tail_pieces,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -449,7 +449,7 @@ TAIL_SHAPES = [  # b, sq, sk, hq, hkv, SMs: tiles with a partial last lap at tha
 @pytest.mark.parametrize("tile", ["d64", "d64-wide", "d128", "d256"])
 @pytest.mark.parametrize("shape", TAIL_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_split_tail_matches_oracle(shape, tile, lazy, monkeypatch):
-    """Non-causal persistent launches whose last lap is cut into pieces (``fwd_tail_pieces``; the SMs set so that
+    """Non-causal persistent launches whose last lap is cut into pieces (``tail_pieces``; the SMs set so that
     every tile here has a partial last lap): each piece's float32 state, merged after the kernel
     (``merge_pieces``), meets the §3 rule for o and lse, with scores large enough (q scaled by 3) that the pieces'
     maxima differ; a second launch gives the same bits (the pieces merge in a fixed order). The key minimum is
@@ -468,7 +468,7 @@ def test_split_tail_matches_oracle(shape, tile, lazy, monkeypatch):
     o, lse = _run_poisoned(q, k, v, False, config=cfg)
     tiles = -(-sq // cfg.block_m) * b * hq
     programs = F.forward_sm90.programs(tiles, sq, sk, False, cfg.block_m, cfg.block_n, sms)
-    assert merged == [fwd_tail_pieces(tiles, programs, -(-sk // cfg.block_n))] and merged[0] > 1
+    assert merged == [tail_pieces(tiles, programs, -(-sk // cfg.block_n))] and merged[0] > 1
     _check(q, k, v, False, o, lse)
     again = _run_poisoned(q, k, v, False, config=cfg)
     assert torch.equal(o, again[0]) and torch.equal(lse, again[1])
@@ -606,36 +606,37 @@ def test_programs_balance_the_causal_laps():
 
 
 def test_tail_pieces_cut_the_last_lap_where_it_saves():
-    """``fwd_tail_pieces``: no split without a partial last lap after a whole one; else the piece count of least
-    modelled cost (blocks + 1 a piece or tile), found by a plain search here, whose pieces keep
-    FWD_TAIL_MIN_PIECE_BLOCKS blocks, and only where it saves FWD_TAIL_MIN_GAIN of the launch. At the grid's
+    """``tail_pieces``: no split without a partial last lap after a whole one; else the piece count of least
+    modelled cost (blocks + the overhead a piece or tile: 1 forward, 2 backward), found by a plain search here, whose
+    pieces keep TAIL_MIN_PIECE_BLOCKS blocks, and only where it saves TAIL_MIN_GAIN of the launch. At the grid's
     d = 128 N = 16384 (2048 tiles of 128 blocks over 132 programs) 7 pieces: 15 laps and 68 tiles as 476 pieces of
     up to 19 blocks, at most 4 to a program (80 against a whole tile's 129)."""
-    assert fwd_tail_pieces(2048, 132, 128) == 7
-    assert fwd_tail_pieces(264, 132, 128) == fwd_tail_pieces(100, 132, 128) == 1
+    assert tail_pieces(2048, 132, 128) == 7
+    assert tail_pieces(264, 132, 128) == tail_pieces(100, 132, 128) == 1
     seen = set()
-    for tiles in range(5, 3000, 37):
-        for programs in (3, 7, 132):
-            for blocks in (1, 4, 8, 16, 17, 32, 64, 65, 128, 256):
-                pieces = fwd_tail_pieces(tiles, programs, blocks)
-                seen.add(pieces)
-                laps, rest = divmod(tiles, programs)
-                cost = lambda s: -(-rest * s // programs) * (-(-blocks // s) + 1)  # noqa: E731
-                options = [s for s in range(2, FWD_TAIL_MAX_PIECES + 1) if s * FWD_TAIL_MIN_PIECE_BLOCKS <= blocks]
-                best = min(options, key=lambda s: (cost(s), s), default=1)
-                whole = (laps + 1) * (blocks + 1)
-                saves = laps and rest and laps * (blocks + 1) + cost(best) <= (1 - FWD_TAIL_MIN_GAIN) * whole
-                assert pieces == (best if saves else 1), (tiles, programs, blocks)
+    for overhead in (1, 2):
+        for tiles in range(5, 3000, 37):
+            for programs in (3, 7, 132):
+                for blocks in (1, 4, 8, 16, 17, 32, 64, 65, 128, 256):
+                    pieces = tail_pieces(tiles, programs, blocks, overhead)
+                    seen.add(pieces)
+                    laps, rest = divmod(tiles, programs)
+                    cost = lambda s: -(-rest * s // programs) * (-(-blocks // s) + overhead)  # noqa: E731
+                    options = [s for s in range(2, TAIL_MAX_PIECES + 1) if s * TAIL_MIN_PIECE_BLOCKS <= blocks]
+                    best = min(options, key=lambda s: (cost(s), s), default=1)
+                    whole = (laps + 1) * (blocks + overhead)
+                    saves = laps and rest and laps * (blocks + overhead) + cost(best) <= (1 - TAIL_MIN_GAIN) * whole
+                    assert pieces == (best if saves else 1), (tiles, programs, blocks, overhead)
     assert len(seen) > 4
 
 
 def test_launch_splits_the_tail_from_its_keys(monkeypatch):
-    """``forward_sm90.launch`` asks ``fwd_tail_pieces`` only for plain non-causal persistent launches (no window, no
+    """``forward_sm90.launch`` asks ``tail_pieces`` only for plain non-causal persistent launches (no window, no
     sinks) with at least FWD_TAIL_MIN_KEYS keys for the head dim (where the A/B gained or tied), merges when it
     splits, and then keeps no launch for relaunch (a repeat would skip the merge), whatever ``keep`` asked."""
     from onlineattn.ops import forward_sm90
     asked, merged, kept = [], [], []
-    monkeypatch.setattr(forward_sm90, "fwd_tail_pieces", lambda *a: asked.append(a) or 3)
+    monkeypatch.setattr(forward_sm90, "tail_pieces", lambda *a: asked.append(a) or 3)
     monkeypatch.setattr(forward_sm90, "start", lambda keep, *a, **kw: kept.append(keep) or ("kept" if keep else None))
     monkeypatch.setattr(forward_sm90, "merge_pieces", lambda *a: merged.append(a[-2:]))
     monkeypatch.setattr(forward_sm90, "_sm_count", lambda device: 5)

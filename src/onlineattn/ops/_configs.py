@@ -239,9 +239,9 @@ _FWD_WS_WIDE = {False: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, persisten
 #   heads, the same keys): d = 128 N = 16384 690-691 | 608-615 -> 709 | 628-631 (16896 rows), N = 2048 646-647 |
 #   573-574 -> 665-666 | 582-585 (132 heads, not 128), d = 256 N = 4096 749-750 | 647-653 -> 761 | 674-676 (4224
 #   rows); cuDNN gained 0-2 % the same way (2-6 % at d = 256). So the last lap's tiles are cut into pieces of key blocks
-#   (``fwd_tail_pieces``), whose float32 states a second launch merges (forward_sm90.merge_pieces). The piece
+#   (``tail_pieces``), whose float32 states a second launch merges (forward_sm90.merge_pieces). The piece
 #   count: counted in key blocks, a tile costing its blocks plus one (forward_sm90.programs' model), the pieces' lap
-#   against a whole tile's, pieces of at least FWD_TAIL_MIN_PIECE_BLOCKS, where that saves FWD_TAIL_MIN_GAIN of the
+#   against a whole tile's, pieces of at least TAIL_MIN_PIECE_BLOCKS, where that saves TAIL_MIN_GAIN of the
 #   launch. The model leaves out the pieces' stores and the merge (float32 states: 64 KiB a piece at d = 128, 128 at
 #   d = 256), which the A/B (.devrun/tailab.py, one process, rule against one piece, two rounds, cold | eager) put
 #   at 10-70 us: d = 128 N = 16384 687-689 | 620-621 -> 699 | 625-627, 8192 682-684 | 604-613 -> 692-695 | 621-623,
@@ -250,26 +250,28 @@ _FWD_WS_WIDE = {False: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, persisten
 #   d = 64 (192-row tiles) 4096 508 | 467 -> 517-518 | 465-466, 2048 478-480 | 430-446 -> 478-480 | 441-442. So
 #   only from FWD_TAIL_MIN_KEYS keys (per head dim), where it gained or tied.
 FWD_TAIL_MIN_KEYS = {64: 4096, 128: 8192, 256: 8192}
-FWD_TAIL_MIN_PIECE_BLOCKS = 4
-FWD_TAIL_MAX_PIECES = 8  # its float32 states: at most (programs - 1) · 8 tiles
-FWD_TAIL_MIN_GAIN = 0.01
+TAIL_MIN_PIECE_BLOCKS = 4
+TAIL_MAX_PIECES = 8  # its float32 states: at most (programs - 1) · 8 tiles
+TAIL_MIN_GAIN = 0.01
 
 
-def fwd_tail_pieces(tiles: int, programs: int, blocks: int) -> int:
-    """Into how many pieces a non-causal persistent launch of ``tiles`` equal tiles of ``blocks`` key blocks over
-    ``programs`` programs cuts each tile of its last, partial lap (``tiles % programs`` of them): the count whose
-    pieces' lap costs least, or 1 (no split) where there is no partial lap after a whole one or it gains too little.
-    (``FWD_TAIL_MIN_KEYS`` is the caller's to check: ``forward_sm90.launch``.)"""
+def tail_pieces(tiles: int, programs: int, blocks: int, overhead: int = 1) -> int:
+    """Into how many pieces a non-causal persistent launch of ``tiles`` equal tiles of ``blocks`` blocks (the
+    forward's key blocks, the backward's row tiles) over ``programs`` programs cuts each tile of its last, partial lap
+    (``tiles % programs`` of them), a tile costing its blocks plus ``overhead`` (``programs``' models: 1 forward, 2
+    backward): the count whose pieces' lap costs least, or 1 (no split) where there is no partial lap after a whole
+    one or it gains too little. (The key minimum, FWD_TAIL_MIN_KEYS or BWD_TAIL_MIN_KEYS, is the caller's to check:
+    ``forward_sm90.launch``, ``backward_sm90.launch_dkdv``.)"""
     laps, rest = divmod(tiles, programs)
     if laps == 0 or rest == 0:
         return 1
-    best, best_cost = 1, blocks + 1
-    for pieces in range(2, min(FWD_TAIL_MAX_PIECES, blocks // FWD_TAIL_MIN_PIECE_BLOCKS) + 1):
-        cost = cdiv(rest * pieces, programs) * (cdiv(blocks, pieces) + 1)
+    best, best_cost = 1, blocks + overhead
+    for pieces in range(2, min(TAIL_MAX_PIECES, blocks // TAIL_MIN_PIECE_BLOCKS) + 1):
+        cost = cdiv(rest * pieces, programs) * (cdiv(blocks, pieces) + overhead)
         if cost < best_cost:
             best, best_cost = pieces, cost
-    whole = (laps + 1) * (blocks + 1)
-    return best if laps * (blocks + 1) + best_cost <= (1 - FWD_TAIL_MIN_GAIN) * whole else 1
+    whole = (laps + 1) * (blocks + overhead)
+    return best if laps * (blocks + overhead) + best_cost <= (1 - TAIL_MIN_GAIN) * whole else 1
 
 
 _FWD_D256_SMALL = FwdConfig(128, 32, 8, 3)  # d = 256 with variants, without descriptors, or with Sq <= 512 where the
@@ -572,6 +574,11 @@ BWD_EARLY_DV = {64: (False, False), 128: (True, False)}
 #   laps' first programs took every lap's longest block.) Ordered tiles cannot (their programs wait on one another).
 #   Per head dim: (the plain Gluon tile, the unordered fused-dQ tile).
 BWD_PERSISTENT = {64: (True, False), 128: (False, True)}
+# - The backward's split tail (session 53). A non-causal persistent dK/dV launch has the forward's tail: at d = 128 the
+#   grid's 2048 key blocks over 132 programs leave 68 for the last lap. Its tiles are cut the same way, into pieces of
+#   row tiles (``tail_pieces`` at the backward's per-block cost, 2), each leaving float32 partial dK and dV that a
+#   second launch sums in piece order (pieces.sum_pieces); dQ's adds are the unsplit launch's. MEASURED: see below.
+BWD_TAIL_MIN_KEYS = {128: 2048}
 
 
 def fused_dq_tile(head_dim: int, ordered: bool = False, *, causal: bool) -> BwdTile:

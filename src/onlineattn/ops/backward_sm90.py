@@ -61,8 +61,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._common import LOG2E, tile_of, tma_aligned
+from ._configs import BWD_TAIL_MIN_KEYS, tail_pieces
 from ._launch import cdiv, start
 from .forward_sm90 import Tile, _sm_count, balanced_programs, descriptor, snake
+from .pieces import sum_pieces
 
 HEAD_DIMS = (64, 128, 256)  # what this kernel is built and tested for (d = 256 splits the head dim: _consumer_split)
 
@@ -122,16 +124,20 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
                                    stride_lb, stride_lh, stride_dkb, stride_dks, stride_dkh,
                                    stride_dvb, stride_dvs, stride_dvh, dq_rows,
                                    seqlen_q, seqlen_k, heads_kv, qk_scale,
-                                   sm_scale, head_group, num_tiles, window_left, BLOCK_M: gl.constexpr,
-                                   BLOCK_N: gl.constexpr,
+                                   sm_scale, head_group, num_tiles, window_left, DK_PART, DV_PART, split_full,
+                                   split_pieces, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                    HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr,
                                    GROUP: gl.constexpr, FUSED_DQ: gl.constexpr, ORDERED: gl.constexpr,
                                    TMA_OUT: gl.constexpr, LAST_BLOCK_FIRST: gl.constexpr, EARLY_DV: gl.constexpr,
-                                   PERSISTENT: gl.constexpr, WINDOW: gl.constexpr):
+                                   PERSISTENT: gl.constexpr, WINDOW: gl.constexpr, SPLIT: gl.constexpr):
     # A program takes key block ``pid`` of ``num_tiles``, or with PERSISTENT (never ORDERED) ``pid, pid + programs,
     # ...``, in _key_block's order. Only the producer's and the ORDERED partitions' Tiles carry LAST_BLOCK_FIRST.
+    # With SPLIT, items from ``split_full`` on are pieces of the last lap's key blocks (``_piece``), ``num_tiles``
+    # counts items, and a piece's float32 dK and dV go to DK_PART and DV_PART (``pieces.sum_pieces``).
     gl.static_assert(ORDERED or not LAST_BLOCK_FIRST, "LAST_BLOCK_FIRST orders an ORDERED launch")
     gl.static_assert(not (ORDERED and PERSISTENT), "ORDERED programs wait on one another: one key block each")
+    gl.static_assert(not SPLIT or (PERSISTENT and not CAUSAL and HEAD_DIM <= 128),
+                     "SPLIT: the last lap of a persistent non-causal launch at d = 64 or 128")
     dtype: gl.constexpr = q_desc.dtype
     k_smem = gl.allocate_shared_memory(dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, v_desc.block_type.shape, v_desc.layout)
@@ -202,11 +208,16 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
              gl.to_tensor(num_tiles), gl.to_tensor(window_left))
     dq_rows = gl.to_tensor(dq_rows)
     outs = (DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale)
+    tail = (gl.to_tensor(split_full), gl.to_tensor(split_pieces))
+    if SPLIT:
+        parts = (DK_PART, DV_PART)
+    else:  # a partition argument must be an IR value: dK's pointer stands in, never read
+        parts = (DK, DK)
     consumer = smem + (ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, staged) + shape + (
-        dk_desc, dv_desc, DQ, dq_rows) + outs
-    loads = (q_desc, k_desc, v_desc, do_desc) + smem + shape + (LSE, DELTA, stride_lb, stride_lh, Tile(
+        dk_desc, dv_desc, DQ, dq_rows) + outs + parts + tail
+    loads = (q_desc, k_desc, v_desc, do_desc) + smem + shape + (LSE, DELTA, stride_lb, stride_lh) + tail + (Tile(
         0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ, ORDERED, LAST_BLOCK_FIRST=LAST_BLOCK_FIRST,
-        PERSISTENT=PERSISTENT, WINDOW=WINDOW))
+        PERSISTENT=PERSISTENT, WINDOW=WINDOW, SPLIT=SPLIT),)
     if HEAD_DIM > 128:  # both warpgroups on the same keys, each with half of dK's and dV's columns (_consumer_split)
         gl.static_assert(not FUSED_DQ, "fused_dq: d = 64 and 128 only")
         half_rows: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_M // 2], dtype)
@@ -238,23 +249,31 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
     else:
         gl.warp_specialize([
             (_consumer, consumer + (Tile(0, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ,
-                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, PERSISTENT=PERSISTENT, WINDOW=WINDOW),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, PERSISTENT=PERSISTENT, WINDOW=WINDOW,
+                                         SPLIT=SPLIT),)),
             (_consumer, consumer + (Tile(1, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, GROUP, FUSED_DQ,
-                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, PERSISTENT=PERSISTENT, WINDOW=WINDOW),)),
+                                         TMA_OUT=TMA_OUT, EARLY_DV=EARLY_DV, PERSISTENT=PERSISTENT, WINDOW=WINDOW,
+                                         SPLIT=SPLIT),)),
             (_producer, loads),
         ], [4, 1], [240, 24])
 
 
 @gluon.jit
-def _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, tile):
+def _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, split, tile):
     """Tile ``tid`` -> (batch, kv head, key block, its first key, its first row tile's first row, row tiles per head
     of the group, the ORDERED rotation). (batch, kv head) columns go in groups of ``head_group`` (ORDERED: 1, so a
     head's programs launch together), key block 0 first (under causal masking the one with the most rows), or with
     LAST_BLOCK_FIRST (ORDERED causal) the last: a tile's adds then come from the last key blocks first (_turn).
-    Persistent programs take their laps of tiles in the forward's snake order (``programs``)."""
+    Persistent programs take their laps of tiles in the forward's snake order (``programs``). With SPLIT (``split``:
+    (first piece item, pieces a tile)) ``tid`` and ``num_tiles`` count items, and a piece is its tile's (``_piece``
+    says which row tiles it takes)."""
     num_n = gl.cdiv(seqlen_k, tile.BLOCK_N)
     if tile.PERSISTENT:
         tid = snake(tid, num_tiles)
+    if tile.SPLIT:
+        slot = gl.maximum(tid - split[0], 0)  # a piece's place among the pieces (0 for a whole block)
+        tid = gl.minimum(tid, split[0]) + slot // split[1]
+        num_tiles = split[0] + (num_tiles - split[0]) // split[1]
     last_first, pid_bh = tile_of(tid, num_n, num_tiles // num_n, head_group)
     pid_n = last_first
     if not tile.LAST_BLOCK_FIRST:
@@ -275,6 +294,18 @@ def _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_
 
 
 @gluon.jit
+def _piece(tid, n_tiles, num_tiles, split):
+    """SPLIT: item ``tid`` of ``num_tiles`` (``_key_block``) -> (its first row tile, the row tile past its last, its
+    slot among the pieces, -1 for a whole key block): piece ``p`` of ``s`` takes row tiles ``p · n / s`` to ``(p + 1)
+    · n / s`` of its block's ``n_tiles``."""
+    slot = snake(tid, num_tiles) - split[0]
+    piece = gl.maximum(slot, 0) % split[1]
+    first = gl.where(slot >= 0, piece * n_tiles // split[1], 0)
+    end = gl.where(slot >= 0, (piece + 1) * n_tiles // split[1], n_tiles)
+    return first, end, gl.maximum(slot, -1)
+
+
+@gluon.jit
 def _blocks(block: gl.constexpr, args, num_tiles, tile):
     """A partition's key blocks: ``block(tid, it, n, args, tile)`` for key block ``pid``, or with PERSISTENT for
     ``pid, pid + programs, ...`` (its ``n``-th, its row tiles from the ``it``-th, which it returns advanced). Called
@@ -292,16 +323,16 @@ def _blocks(block: gl.constexpr, args, num_tiles, tile):
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty,
               ready, empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, LSE, DELTA, stride_lb,
-              stride_lh, tile):
+              stride_lh, split_full, split_pieces, tile):
     """One warp: per key block after the program's first, its first row tiles (as many as the ring has stages), then
     its K and V once both consumers are done with the last block's (``kv_empty``: under their epilogue the next
     block's row tiles already stream in), then its other row tiles. Row tile ``t`` of the block (its head of the
     group and rows: ``_row_tile``; ``it`` counts them across blocks) brings Q and dO by TMA and the rows' lse (base 2,
     +inf where a row saw no key, so P = 0 there and past the last row) and delta into stage ``it % STAGES``, once
-    both consumers released it."""
+    both consumers released it. A piece (SPLIT) loads its own row tiles (``_piece``)."""
     _blocks(_producer_block, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem,
              kv_bar, kv_empty, ready, empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, LSE,
-             DELTA, stride_lb, stride_lh), num_tiles, tile)
+             DELTA, stride_lb, stride_lh, (split_full, split_pieces)), num_tiles, tile)
 
 
 @gluon.jit
@@ -309,24 +340,29 @@ def _producer_block(tid, it, n, args, tile):
     """_producer's key block ``tid``, the program's ``n``-th, its row tiles from the program's ``it``-th;
     returns the next block's ``it``."""
     (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready,
-     empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, LSE, DELTA, stride_lb, stride_lh) = args
+     empty, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, LSE, DELTA, stride_lb, stride_lh,
+     split) = args
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group,
-                                                                 num_tiles, window_left, tile)
+                                                                 num_tiles, window_left, split, tile)
     n_tiles = row_tiles * tile.GROUP
-    first = gl.minimum(n_tiles, tile.STAGES)  # before K and V, except in a program's first block
+    t_first = 0  # the row tiles t_first ... t_end - 1 (a piece's: _piece)
+    t_end = n_tiles
+    if tile.SPLIT:
+        t_first, t_end, _ = _piece(tid, n_tiles, num_tiles, split)
+    first = gl.minimum(t_end - t_first, tile.STAGES)  # before K and V, except in a program's first block
     if n == 0:
         first = 0
-    for t in range(first):
-        _load_rows(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, it + t, t, off_b, off_hkv,
-                   lo, row_tiles, shift, seqlen_q, LSE, DELTA, stride_lb, stride_lh, tile)
+    for t in range(t_first, t_first + first):
+        _load_rows(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, it + t - t_first, t, off_b,
+                   off_hkv, lo, row_tiles, shift, seqlen_q, LSE, DELTA, stride_lb, stride_lh, tile)
     mbarrier.wait(kv_empty, (n & 1) ^ 1)  # a fresh barrier passes the wait for parity 1
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [off_b, n0, off_hkv, 0], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [off_b, n0, off_hkv, 0], kv_bar, v_smem)
-    for t in range(first, n_tiles):
-        _load_rows(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, it + t, t, off_b, off_hkv,
-                   lo, row_tiles, shift, seqlen_q, LSE, DELTA, stride_lb, stride_lh, tile)
-    it += n_tiles
+    for t in range(t_first + first, t_end):
+        _load_rows(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, empty, it + t - t_first, t, off_b,
+                   off_hkv, lo, row_tiles, shift, seqlen_q, LSE, DELTA, stride_lb, stride_lh, tile)
+    it += t_end - t_first
     return it
 
 
@@ -356,17 +392,19 @@ def _load_rows(q_desc, do_desc, q_smem, do_smem, lse_smem, delta_smem, ready, em
 def _consumer(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_smem, ds_ready,
               ds_free, dq_smem, dq_full, dq_empty, done, staged, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles,
               window_left, dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb,
-              stride_dvs, stride_dvh, qk_scale, sm_scale, tile):
+              stride_dvs, stride_dvh, qk_scale, sm_scale, DK_PART, DV_PART, split_full, split_pieces, tile):
     """One warpgroup, per key block: its 64 keys' dK and dV over every row tile of the group, then stored (dK times
     the scale): by TMA with TMA_OUT (``_store_dkdv_tma``, staged in this warpgroup's K and V rows once both
     warpgroups are done reading them; persistent with FUSED_DQ, ``_early_dkdv``), else from registers
     (``_store_dkdv``, after releasing K and V). With FUSED_DQ, per row tile also its part of dQ (``_dq_coord``) over
     the block's 128 keys, added to the float32 accumulator (unscaled) by TMA reduces, one row tile behind (ORDERED:
-    staged for the writer warp, _dq_writer)."""
+    staged for the writer warp, _dq_writer). A piece (SPLIT) runs its own row tiles (``_piece``) and leaves its
+    partial dK (scaled) and dV in float32 from registers (``_store_dkdv`` into its slot of DK_PART and DV_PART)."""
     _blocks(_consumer_block, (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty,
              ds_smem, ds_ready, ds_free, dq_smem, dq_full, dq_empty, done, staged, seqlen_q, seqlen_k, heads_kv,
              head_group, num_tiles, window_left, dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks,
-             stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale), num_tiles, tile)
+             stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale, DK_PART, DV_PART,
+             (split_full, split_pieces)), num_tiles, tile)
 
 
 @gluon.jit
@@ -376,7 +414,7 @@ def _consumer_block(tid, it, n, args, tile):
     (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_smem, ds_ready, ds_free,
      dq_smem, dq_full, dq_empty, done, staged, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left,
      dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
-     qk_scale, sm_scale) = args
+     qk_scale, sm_scale, DK_PART, DV_PART, split) = args
     D: gl.constexpr = tile.HEAD_DIM
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     STAGES: gl.constexpr = tile.STAGES
@@ -398,7 +436,7 @@ def _consumer_block(tid, it, n, args, tile):
     # dQ's B operand: K's columns of this warpgroup's part (all of them where the warpgroups split the rows)
     k_dq = k_smem.reshape([tile.BLOCK_N, D]).slice(dq_part_offset(BLOCK_M, D, tile.WG)[1], DQ_COLS, dim=1)
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group,
-                                                                 num_tiles, window_left, tile)
+                                                                 num_tiles, window_left, split, tile)
     key0 = n0 + tile.WG * 64
     keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, st_layout))
     full_from = key0 + 63 - diag  # row tiles starting here see every key of this warpgroup
@@ -408,8 +446,12 @@ def _consumer_block(tid, it, n, args, tile):
     dv = gl.zeros([64, D], gl.float32, layout=kv_layout)
     mbarrier.wait(kv_bar, n & 1)
     n_tiles = row_tiles * tile.GROUP
-    for t in range(n_tiles):
-        g = it + t
+    t_first = 0  # the row tiles t_first ... t_end - 1 (a piece's: _piece)
+    t_end = n_tiles
+    if tile.SPLIT:
+        t_first, t_end, slot = _piece(tid, n_tiles, num_tiles, split)
+    for t in range(t_first, t_end):
+        g = it + t - t_first
         stage = g % STAGES
         m = _row_tile(t, lo, row_tiles, shift, tile)[1]
         mbarrier.wait(ready.index(stage), (g // STAGES) & 1)
@@ -455,28 +497,55 @@ def _consumer_block(tid, it, n, args, tile):
             # The previous tile's dQ behind this tile's dV and dK: the other warpgroup wrote its half of that dSᵀ
             # a tile ago, so the two rarely wait for each other. At t = 0 nothing waits, arrives or is added.
             pbuf = (g + 1) % 2  # (g - 1) % 2 from t = 1
-            mbarrier.wait(ds_ready.index(pbuf), ((g + 1) // 2 + 1) & 1, pred=t > 0)  # parity of use (g - 1) // 2
+            mbarrier.wait(ds_ready.index(pbuf), ((g + 1) // 2 + 1) & 1, pred=t > t_first)  # parity of (g - 1) // 2
             dq = warpgroup_mma(_ds_rows(ds_smem.index(pbuf), tile), k_dq, zero_dq, use_acc=False, is_async=True)
             dv, dk, dq, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
-            mbarrier.arrive(ds_free.index(pbuf), count=1, pred=t > 0)
+            mbarrier.arrive(ds_free.index(pbuf), count=1, pred=t > t_first)
             _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, t - 1, lo, row_tiles, shift, dq_rows,
-                     t > 0, tile)
+                     t > t_first, tile)
         else:
             dv, dk, pt_op, dst_op = warpgroup_mma_wait(0, deps=(dv, dk, pt_op, dst_op))
             mbarrier.arrive(empty.index(stage), count=1)
     if tile.FUSED_DQ:  # the last tile's dQ (nothing when there was no tile)
-        last = gl.maximum(it + n_tiles - 1, 0)
-        mbarrier.wait(ds_ready.index(last % 2), (last // 2) & 1, pred=n_tiles > 0)
+        last = gl.maximum(it + (t_end - t_first) - 1, 0)
+        mbarrier.wait(ds_ready.index(last % 2), (last // 2) & 1, pred=t_end > t_first)
         dq = warpgroup_mma(_ds_rows(ds_smem.index(last % 2), tile), k_dq, zero_dq, use_acc=False, is_async=True)
         dq = warpgroup_mma_wait(0, deps=(dq,))
-        mbarrier.arrive(ds_free.index(last % 2), count=1, pred=n_tiles > 0)
-        _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, gl.maximum(n_tiles - 1, 0), lo, row_tiles,
-                 shift, dq_rows, n_tiles > 0, tile)
+        mbarrier.arrive(ds_free.index(last % 2), count=1, pred=t_end > t_first)
+        _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, gl.maximum(t_end - 1, t_first), lo, row_tiles,
+                 shift, dq_rows, t_end > t_first, tile)
         if not tile.ORDERED:
             tma.store_wait(0)  # the last reduce has read its staging buffer
-    it += n_tiles
+    it += t_end - t_first
 
+    if tile.SPLIT:
+        if slot >= 0:  # a piece's partial sums, K and V released first (a program's items after a piece are pieces)
+            mbarrier.arrive(kv_empty, count=1)
+            out_keys = tile.WG * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
+            _store_dkdv(dk, dv, DK_PART, DV_PART, slot, 0, out_keys,
+                        gl.arange(0, D, layout=gl.SliceLayout(0, kv_layout)), tile.BLOCK_N, tile.BLOCK_N * D, D, 0,
+                        tile.BLOCK_N * D, D, 0, sm_scale)
+        else:
+            _store_block(dk, dv, args, n, off_b, off_hkv, key0, tile)
+    else:
+        _store_block(dk, dv, args, n, off_b, off_hkv, key0, tile)
+    return it
+
+
+@gluon.jit
+def _store_block(dk, dv, args, n, off_b, off_hkv, key0, tile):
+    """_consumer's dK (times the scale) and dV of the program's ``n``-th key block (this warpgroup's 64 keys from
+    ``key0``), K and V released: by TMA with TMA_OUT, staged in the warpgroup's K and V rows once both warpgroups are
+    past the block's last matmul (persistent with FUSED_DQ in the dSᵀ/dQ buffers, with K and V released first:
+    ``_early_dkdv``), else from registers after releasing K and V."""
+    (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, ds_smem, ds_ready, ds_free,
+     dq_smem, dq_full, dq_empty, done, staged, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left,
+     dk_desc, dv_desc, DQ, dq_rows, DK, DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh,
+     qk_scale, sm_scale, DK_PART, DV_PART, split) = args
+    D: gl.constexpr = tile.HEAD_DIM
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, D, 16])
     if tile.TMA_OUT:  # K and V are free once both warpgroups are past the block's last matmul
         mbarrier.arrive(done, count=1)
         mbarrier.wait(done, n & 1)
@@ -484,7 +553,9 @@ def _consumer_block(tid, it, n, args, tile):
             mbarrier.arrive(kv_empty, count=1)
             _early_dkdv(dk * sm_scale, dv, dk_desc, dv_desc, ds_smem, dq_smem, staged, n, off_b, off_hkv, key0, tile)
         else:
-            _store_dkdv_tma(dk * sm_scale, dv, dk_desc, dv_desc, k, v, k_smem.slice(tile.WG * 64, 64, dim=1),
+            rows = k_smem.reshape([tile.BLOCK_N, D]), v_smem.reshape([tile.BLOCK_N, D])
+            _store_dkdv_tma(dk * sm_scale, dv, dk_desc, dv_desc, rows[0].slice(tile.WG * 64, 64),
+                            rows[1].slice(tile.WG * 64, 64), k_smem.slice(tile.WG * 64, 64, dim=1),
                             v_smem.slice(tile.WG * 64, 64, dim=1), off_b, off_hkv, key0)
             mbarrier.arrive(kv_empty, count=1)
     else:
@@ -493,7 +564,6 @@ def _consumer_block(tid, it, n, args, tile):
         out_keys = key0 + gl.arange(0, 64, layout=gl.SliceLayout(1, kv_layout))
         _store_dkdv(dk, dv, DK, DV, off_b, off_hkv, out_keys, cols, seqlen_k, stride_dkb, stride_dks, stride_dkh,
                     stride_dvb, stride_dvs, stride_dvh, sm_scale)
-    return it
 
 
 @gluon.jit
@@ -543,7 +613,7 @@ def _consumer_split_block(tid, it, n, args, tile):
     k = k_smem.reshape([tile.BLOCK_N, D])
     v = v_smem.reshape([tile.BLOCK_N, D])
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group,
-                                                                 num_tiles, window_left, tile)
+                                                                 num_tiles, window_left, None, tile)
     keys = n0 + gl.arange(0, tile.BLOCK_N, layout=gl.SliceLayout(1, st_layout))
     full_from = n0 + tile.BLOCK_N - 1 - diag  # row tiles starting here see every key of the block
     win_from = n0 - diag + window_left + 1  # WINDOW: rows from here on do not see the block's first key
@@ -746,7 +816,7 @@ def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, rows_per_batch, seqlen_q, se
     BLOCK_M: gl.constexpr = tile.BLOCK_M
     lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
     off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(gl.program_id(0), seqlen_q, seqlen_k, heads_kv,
-                                                                 head_group, num_tiles, window_left,
+                                                                 head_group, num_tiles, window_left, None,
                                                                  tile)  # one block a program
     n_tiles = row_tiles * tile.GROUP
     q_tiles = rows_per_batch // BLOCK_M
@@ -940,17 +1010,28 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
             raise ValueError(f"config: dq_ordered needs all {blocks} key blocks of a (batch, kv head) resident at "
                              f"once, and this device runs {ordered_blocks(q.device)}")
     dq_arg = dq_descriptor(dq_acc, tile, d, q.device)
+    plain = tile.persistent and not causal and sk >= BWD_TAIL_MIN_KEYS.get(d, sk + 1)
+    pieces = tail_pieces(num_tiles, grid[0], cdiv(sq, tile.block_m) * (hq // hkv), overhead=2) if plain else 1
+    full = num_tiles - num_tiles % grid[0] if pieces > 1 else 1  # 1 (with pieces 1): no kernel argument
+    parts = (_placeholder(d, q.device)[0],) * 2  # never read (a kept launch holds no caller's array)
+    if pieces > 1:  # the last lap's key blocks in pieces: their float32 dK and dV, summed after (not kept)
+        parts = tuple(torch.empty((num_tiles - full) * pieces, tile.block_n, d, device=q.device, dtype=torch.float32)
+                      for _ in range(2))
+        keep = False
     kept = start(
         keep, attention_bwd_dkdv_sm90_kernel, grid, 12,
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse, delta, dk, dv, dq_arg, semaphores(dq_sem, q.device),
         lse.stride(0), lse.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), rows_per_batch,
-        sq, sk, hkv, scale * LOG2E, scale, group, num_tiles, window_left or 0,
+        sq, sk, hkv, scale * LOG2E, scale, group, num_tiles + (num_tiles - full) * (pieces - 1), window_left or 0,
+        *parts, full, pieces,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
         GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, ORDERED=tile.dq_ordered, TMA_OUT=stores_by_tma(q, dk, dv, tile),
         LAST_BLOCK_FIRST=tile.last_block_first and causal, EARLY_DV=tile.early_dv, PERSISTENT=tile.persistent,
-        WINDOW=window_left is not None, num_warps=4,
+        WINDOW=window_left is not None, SPLIT=pieces > 1, num_warps=4,
     )
+    if pieces > 1:
+        sum_pieces(*parts, dk, dv, full, pieces, b * hkv, group)
     return grid, kept
 
 

@@ -31,7 +31,7 @@ A program's tiles hand over: the next tile's first QKᵀ is issued right after t
 this tile's epilogue. Q has ``q_stages`` buffers (a second lets the producer load the next tile's Q early).
 
 A non-causal persistent launch's tiles are equal, so where they are not a whole number of laps the last lap leaves
-SMs idle. With ``SPLIT`` (``launch``: ``fwd_tail_pieces``) that lap's tiles run as pieces of their key blocks, more
+SMs idle. With ``SPLIT`` (``launch``: ``tail_pieces``) that lap's tiles run as pieces of their key blocks, more
 items than tiles (``_tile_coords``); a piece's o and lse leave in float32 (``_store_piece``) and ``merge_pieces``, a
 Triton kernel launched after this one, merges each tile's pieces in order into o and lse.
 
@@ -55,8 +55,6 @@ import functools
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -65,10 +63,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.language.core import _aggregate as aggregate
 
-from ._common import LOG2E, merge_splits
+from ._common import LOG2E
 from . import _launch as launch_cache
-from ._configs import FWD_TAIL_MIN_KEYS, fwd_tail_pieces
-from ._launch import bounded_put, cdiv, keep_by_address, launch as launch_kernel, sm_count, start
+from ._configs import FWD_TAIL_MIN_KEYS, tail_pieces
+from ._launch import bounded_put, cdiv, keep_by_address, sm_count, start
+from .pieces import merge_pieces
 
 ROWS_PER_WARPGROUP = 64
 O_COLUMNS = 128  # an O store's box width (d = 256 stores two halves: a whole-row buffer would not fit)
@@ -887,7 +886,7 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False,
             if cfg.persistent else num_tiles,)
     left, right = band or (0, 0)
     plain = cfg.persistent and not masked and sinks is None and sk >= FWD_TAIL_MIN_KEYS.get(d, sk + 1)
-    pieces = fwd_tail_pieces(num_tiles, grid[0], cdiv(sk, cfg.block_n)) if plain else 1
+    pieces = tail_pieces(num_tiles, grid[0], cdiv(sk, cfg.block_n)) if plain else 1
     full = num_tiles - num_tiles % grid[0] if pieces > 1 else 1  # 1 (with pieces 1): no kernel argument
     parts = (None, None)
     if pieces > 1:  # the last lap's tiles in pieces: their float32 states, merged after (not kept: two launches)
@@ -908,44 +907,6 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False,
     if pieces > 1:
         merge_pieces(*parts, o, lse, full, pieces)
     return grid, kept
-
-
-MERGE_ELEMENTS = 4096  # a merge program's rows times the head dim: 32 rows at d = 128
-
-
-@triton.jit
-def merge_pieces_kernel(O_PART, LSE_PART, O, LSE, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, first_tile,
-                        pieces, seqlen_q, heads_q, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """Tile ``first_tile + program_id(0)`` of a split launch: ``ROWS`` of its rows (``program_id(1)``), their
-    ``pieces`` partial states (slots ``program_id(0) · pieces ...`` of ``O_PART [slots, BLOCK_M, D]`` and ``LSE_PART
-    [slots, BLOCK_M]``) merged in piece order (``merge_splits``) into ``o [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]``;
-    rows past the end dropped. Tiles are numbered as ``_tile_coords`` numbers them without causal masking."""
-    tl.static_assert(BLOCK_M % ROWS == 0, "a tile's rows split evenly between its merge programs")
-    split = tl.program_id(0)
-    t = first_tile + split
-    num_m = tl.cdiv(seqlen_q, BLOCK_M)
-    off_b = (t // num_m // heads_q).to(tl.int64)
-    off_h = (t // num_m % heads_q).to(tl.int64)  # o's head stride may be Sq · D (a head-major view): 64-bit sums
-    local = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    rows = ((t % num_m) * BLOCK_M + local).to(tl.int64)
-    m_r = rows < seqlen_q
-    o_d = tl.arange(0, HEAD_DIM)
-    first = split.to(tl.int64) * pieces * BLOCK_M + local
-    o, lse = merge_splits(O_PART + first[:, None] * HEAD_DIM + o_d[None, :], LSE_PART + first, BLOCK_M * HEAD_DIM,
-                          BLOCK_M, pieces, m_r, o_d < HEAD_DIM, ROWS, HEAD_DIM, 1)
-    p_o = O + off_b * stride_ob + rows[:, None] * stride_os + off_h * stride_oh + o_d[None, :]
-    tl.store(p_o, o.to(O.dtype.element_ty), mask=m_r[:, None])
-    tl.store(LSE + off_b * stride_lb + off_h * stride_lh + rows, lse, mask=m_r)
-
-
-def merge_pieces(o_part, lse_part, o, lse, first_tile: int, pieces: int) -> None:
-    """After a split launch: each split tile's pieces (``o_part [slots, BLOCK_M, D]``, ``lse_part [slots,
-    BLOCK_M]``, a tile's ``pieces`` slots in turn, tiles from ``first_tile``) merged into ``o`` and ``lse``."""
-    slots, block_m, d = o_part.shape
-    rows = MERGE_ELEMENTS // d
-    launch_kernel(merge_pieces_kernel, (slots // pieces, cdiv(block_m, rows)), o_part, lse_part, o, lse, o.stride(0),
-                  o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), first_tile, pieces, o.shape[1], o.shape[2],
-                  BLOCK_M=block_m, HEAD_DIM=d, ROWS=rows, num_warps=4)
 
 
 def half_diagonal(seqlen_q: int, seqlen_k: int, causal: bool, cfg) -> bool:
