@@ -104,7 +104,8 @@ from onlineattn.ops import backward_sm90
 from onlineattn.ops._configs import _BWD_WS_DKDV, fused_dq_tile
 backward_sm90.BWD_TAIL_MIN_KEYS = {{64: 2048, 128: 2048}}
 run, compiled = jit.JITFunction.run, []
-jit.JITFunction.run = lambda self, *a, **kw: compiled.append((self.fn.__name__, run(self, *a, **{{**kw, "warmup": True}})))
+warm = lambda self, *a, **kw: compiled.append((self.fn.__name__, run(self, *a, **{{**kw, "warmup": True}})))
+jit.JITFunction.run = warm
 for d, fused in ((128, True), (128, False), (64, False)):
     compiled.clear()
     tile = replace(fused_dq_tile(d, causal=False) if fused else _BWD_WS_DKDV[d], persistent=True)
@@ -126,6 +127,33 @@ def test_split_tail_compiles_for_sm90():
     lines = _compiled(_COMPILE_SPLIT).stdout.splitlines()
     assert lines == [f"{d} {fused} ('attention_bwd_dkdv_sm90_kernel', {wgmma}, True) ('sum_pieces_kernel', 0, False)"
                      for d, fused, wgmma in ((128, True, 80), (128, False, 48), (64, False, 32))], lines
+
+
+_COMPILE_KEEP = """
+import sys, torch, triton
+sys.path.insert(0, {bench!r})
+from probe_launch import Sm90NoLaunch
+triton.runtime.driver.set_active(Sm90NoLaunch())
+from dataclasses import replace
+from onlineattn.ops import backward_sm90
+from onlineattn.ops._configs import _BWD_WS_DKDV, fused_dq_tile
+for d, fused, sk in ((128, True, 2048), (128, True, 1024), (64, False, 300), (256, False, 300)):
+    tile = replace(fused_dq_tile(d, causal=False) if fused else _BWD_WS_DKDV[d], persistent=d < 256)
+    q = torch.randn(1, 2048, 9, d, dtype=torch.bfloat16)
+    k = torch.randn(1, sk, 9, d, dtype=torch.bfloat16)
+    lse = torch.randn(1, 9, 2048)
+    grid, kept = backward_sm90.launch_dkdv(q, k, k, q, lse, lse, torch.empty_like(k), torch.empty_like(k), 0.1, False,
+                                           tile, keep=True, dq_acc=torch.zeros(1, 2048, 9, d) if fused else None)
+    print(d, fused, sk, kept is not None)
+"""
+
+
+def test_launches_are_kept_unless_split():
+    """Through the launch cache (an sm_90 driver that launches nothing): an unsplit dK/dV launch asked to keep
+    itself returns its Relaunch (its arrays lead its arguments: the pieces' are None constexprs there, which 523430b's
+    placeholder tensors broke), a split one (144 key blocks over 132 programs at 2048 keys) returns None."""
+    lines = _compiled(_COMPILE_KEEP).stdout.splitlines()
+    assert lines == ["128 True 2048 False", "128 True 1024 True", "64 False 300 True", "256 False 300 True"], lines
 
 
 SPLIT_SHAPES = [  # b, sq, sk, hq, hkv, SMs: each launch's last lap split (the test asserts it)

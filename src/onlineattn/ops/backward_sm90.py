@@ -1013,7 +1013,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     plain = tile.persistent and not causal and sk >= BWD_TAIL_MIN_KEYS.get(d, sk + 1)
     pieces = tail_pieces(num_tiles, grid[0], cdiv(sq, tile.block_m) * (hq // hkv), overhead=2) if plain else 1
     full = num_tiles - num_tiles % grid[0] if pieces > 1 else 1  # 1 (with pieces 1): no kernel argument
-    parts = (_placeholder(d, q.device)[0],) * 2  # never read (a kept launch holds no caller's array)
+    parts = (None, None)  # constexprs: a kept launch's arrays lead its arguments (_launch.prepare)
     if pieces > 1:  # the last lap's key blocks in pieces: their float32 dK and dV, summed after (not kept)
         parts = tuple(torch.empty((num_tiles - full) * pieces, tile.block_n, d, device=q.device, dtype=torch.float32)
                       for _ in range(2))
