@@ -239,7 +239,7 @@ _FWD_WS_WIDE = {False: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, persisten
 #   heads, the same keys): d = 128 N = 16384 690-691 | 608-615 -> 709 | 628-631 (16896 rows), N = 2048 646-647 |
 #   573-574 -> 665-666 | 582-585 (132 heads, not 128), d = 256 N = 4096 749-750 | 647-653 -> 761 | 674-676 (4224
 #   rows); cuDNN gained 0-2 % the same way (2-6 % at d = 256). So the last lap's tiles are cut into pieces of key blocks
-#   (``tail_pieces``), whose float32 states a second launch merges (forward_sm90.merge_pieces). The piece
+#   (``tail_pieces``), whose float32 states a second launch merges (pieces.merge_pieces). The piece
 #   count: counted in key blocks, a tile costing its blocks plus one (forward_sm90.programs' model), the pieces' lap
 #   against a whole tile's, pieces of at least TAIL_MIN_PIECE_BLOCKS, where that saves TAIL_MIN_GAIN of the
 #   launch. The model leaves out the pieces' stores and the merge (float32 states: 64 KiB a piece at d = 128, 128 at
@@ -581,9 +581,9 @@ BWD_PERSISTENT = {64: (True, False), 128: (False, True)}
 #   (.devrun/bwdtail.py, one process, deterministic=False, the rule against no split, two rounds, cold | eager
 #   TFLOP/s; cuDNN beside at 574-579 | 540-545 for N = 16384): N = 16384 601-606 | 567-574 -> 605-607 | 572-582,
 #   8192 613-614 | 557 -> 619-622 | 552-565, 4096 587-588 | 538-541 -> 592-595 | 539-542, 2048 539-540 | 490-497 ->
-#   541-542 | 498-499 (1024: no split, 16 row tiles a block). So +0.2-1.3 % cold, -0.9 to +1.6 % eager: at most a
-#   third of the 3 % tail (where the rest goes, beside the pieces' float32 stores of 128 KiB each and the second
-#   launch, was not measured). So from 2048 keys at d = 128 (its deterministic=False route); d = 64's persistent
+#   541-542 | 498-499 (1024: no split, 16 row tiles a block). So +0.2-1.3 % cold, -0.9 to +1.6 % eager: under half
+#   of the 3 % tail (where the rest goes, beside the pieces' float32 stores of 128 KiB each and the second
+#   launch, was not measured). Taken from 2048 keys at d = 128 (its deterministic=False route); d = 64's persistent
 #   tile runs only below 1024 keys (BWD_FUSED_DQ_MIN_KEYS, BWD_ORDERED_DQ_MIN_KEYS), not measured split.
 BWD_TAIL_MIN_KEYS = {128: 2048}
 
