@@ -581,8 +581,8 @@ BWD_PERSISTENT = {64: (True, False), 128: (False, True)}
 #   (.devrun/bwdtail.py, one process, deterministic=False, the rule against no split, two rounds, cold | eager
 #   TFLOP/s; cuDNN beside at 574-579 | 540-545 for N = 16384): N = 16384 601-606 | 567-574 -> 605-607 | 572-582,
 #   8192 613-614 | 557 -> 619-622 | 552-565, 4096 587-588 | 538-541 -> 592-595 | 539-542, 2048 539-540 | 490-497 ->
-#   541-542 | 498-499 (1024: no split, 16 row tiles a block). So +0.2-1.3 % cold, -0.9 to +1.6 % eager: under half
-#   of the 3 % tail (where the rest goes, beside the pieces' float32 stores of 128 KiB each and the second
+#   541-542 | 498-499 (1024: no split, 16 row tiles a block). So +0.2-1.3 % cold, -0.9 to +1.6 % eager: cold, at
+#   most 1.3 of the tail's 3 % (where the rest goes, beside the pieces' float32 stores of 128 KiB each and the second
 #   launch, was not measured). Taken from 2048 keys at d = 128 (its deterministic=False route); d = 64's persistent
 #   tile runs only below 1024 keys (BWD_FUSED_DQ_MIN_KEYS, BWD_ORDERED_DQ_MIN_KEYS), not measured split.
 BWD_TAIL_MIN_KEYS = {128: 2048}
