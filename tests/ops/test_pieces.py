@@ -25,8 +25,8 @@ gpu = pytest.mark.gpu
 
 
 def _block_of(t, num_n, columns, head_group):
-    """A plain walk of ``tile_of`` as ``_key_block`` reads it (a column's last key block first): key block ``t`` ->
-    (batch · kv head column, key block)."""
+    """A plain walk of ``tile_of`` as ``_key_block`` reads it without LAST_BLOCK_FIRST (a column's key block 0
+    first): key block ``t`` -> (batch · kv head column, key block)."""
     per_group = head_group * num_n
     first = t // per_group * head_group
     heads = min(columns - first, head_group)
@@ -61,12 +61,15 @@ def test_sum_pieces_adds_each_blocks_pieces_in_order(b, sk, hkv, d, head_group, 
 
 
 def test_launch_dkdv_splits_the_tail_from_its_keys(monkeypatch):
-    """``launch_dkdv`` asks ``tail_pieces`` (rows tiles of the GQA group a block, the backward's overhead 2) only for
+    """``launch_dkdv`` asks ``tail_pieces`` (row tiles of the GQA group a block, the backward's overhead 2) only for
     persistent non-causal launches with at least BWD_TAIL_MIN_KEYS keys for the head dim (d = 128 only: where the
-    A/B gained), sums when it splits, and then keeps no launch for relaunch (a repeat would skip the sum)."""
-    asked, summed, kept = [], [], []
+    A/B gained), hands the kernel the item count, the first piece item, the piece count, float32 workspaces of a
+    slot a piece and SPLIT (None workspaces and 1s without), sums when it splits, and then keeps no launch for
+    relaunch (a repeat would skip the sum)."""
+    asked, summed, kept, launched = [], [], [], []
     monkeypatch.setattr(backward_sm90, "tail_pieces", lambda *a, **kw: asked.append((*a, kw)) or 3)
-    monkeypatch.setattr(backward_sm90, "start", lambda keep, *a, **kw: kept.append(keep) or ("kept" if keep else None))
+    monkeypatch.setattr(backward_sm90, "start", lambda keep, *a, **kw: kept.append(keep) or launched.append((a, kw))
+                        or ("kept" if keep else None))
     monkeypatch.setattr(backward_sm90, "sum_pieces", lambda *a: summed.append(a[-4:]))
     monkeypatch.setattr(backward_sm90, "_sm_count", lambda device: 5)
     for d in (64, 128, 256):
@@ -76,21 +79,28 @@ def test_launch_dkdv_splits_the_tail_from_its_keys(monkeypatch):
                                               (least, False, True, False)):
             if d == 256 and fused:
                 continue
-            asked.clear(), summed.clear(), kept.clear()
+            asked.clear(), summed.clear(), kept.clear(), launched.clear()
             tile = replace(fused_dq_tile(d, causal=causal) if fused else _BWD_WS_DKDV[d], persistent=persistent)
-            q = torch.empty(1, 700, 4, d, dtype=torch.bfloat16)
-            k = torch.empty(1, sk, 2, d, dtype=torch.bfloat16)
+            q = torch.empty(1, 700, 6, d, dtype=torch.bfloat16)
+            k = torch.empty(1, sk, 3, d, dtype=torch.bfloat16)  # 48 blocks at d = 128 over 5 programs: 3 in the last lap
             rows = -(-700 // tile.block_m) * tile.block_m
-            dq_acc = torch.zeros(1, rows, 4, d) if fused else None
-            grid, relaunch = backward_sm90.launch_dkdv(q, k, k, q, torch.empty(1, 4, 700), torch.empty(1, 4, 700),
+            dq_acc = torch.zeros(1, rows, 6, d) if fused else None
+            grid, relaunch = backward_sm90.launch_dkdv(q, k, k, q, torch.empty(1, 6, 700), torch.empty(1, 6, 700),
                                                        torch.empty_like(k), torch.empty_like(k), 0.1, causal, tile,
                                                        keep=True, dq_acc=dq_acc)
             split = sk >= least and d in BWD_TAIL_MIN_KEYS and not causal and persistent
-            tiles = 2 * -(-sk // 128)
+            tiles = 3 * -(-sk // tile.block_n)
             case = (d, sk, causal, persistent, fused)
             assert asked == ([(tiles, grid[0], -(-700 // tile.block_m) * 2, {"overhead": 2})] if split else []), case
-            assert summed == ([(tiles - tiles % grid[0], 3, 2, 1)] if split else []), case
+            assert summed == ([(tiles - tiles % grid[0], 3, 3, 1)] if split else []), case
+            assert not split or tiles % grid[0], case
             assert kept == [not split] and (relaunch is None) == split, case
+            args, kw = launched[0]
+            full = tiles - tiles % grid[0] if split else 1
+            items = tiles + (tiles - full) * 2 if split else tiles  # 3 pieces a split block
+            parts = [None if x is None else tuple(x.shape) for x in args[-4:-2]]
+            assert (args[-6], args[-2], args[-1], kw["SPLIT"]) == (items, full, 3 if split else 1, split), case
+            assert parts == ([((tiles - full) * 3, 128, d)] * 2 if split else [None, None]), case
 
 
 _COMPILE_SPLIT = """
@@ -161,6 +171,8 @@ SPLIT_SHAPES = [  # b, sq, sk, hq, hkv, SMs: each launch's last lap split (the t
     (2, 1000, 900, 4, 4, 9),  # Sk not a whole number of key blocks
     (1, 2000, 1200, 3, 1, 4),  # MQA 3:1
     (2, 333, 1500, 8, 2, 11),  # the last row tile of 333 rows partial
+    (1, 1024, 512, 4, 2, 3),  # 6 pieces over 3 programs: a piece after a piece, the second lap of pieces reversed
+    (2, 900, 500, 3, 1, 3),  # the same with MQA 3:1 and a partial last key block
 ]
 
 
