@@ -82,7 +82,7 @@ def test_launch_dkdv_splits_the_tail_from_its_keys(monkeypatch):
             asked.clear(), summed.clear(), kept.clear(), launched.clear()
             tile = replace(fused_dq_tile(d, causal=causal) if fused else _BWD_WS_DKDV[d], persistent=persistent)
             q = torch.empty(1, 700, 6, d, dtype=torch.bfloat16)
-            k = torch.empty(1, sk, 3, d, dtype=torch.bfloat16)  # 48 blocks at d = 128 over 5 programs: 3 in the last lap
+            k = torch.empty(1, sk, 3, d, dtype=torch.bfloat16)  # d = 128: 48 blocks over 5 programs, 3 in the last lap
             rows = -(-700 // tile.block_m) * tile.block_m
             dq_acc = torch.zeros(1, rows, 6, d) if fused else None
             grid, relaunch = backward_sm90.launch_dkdv(q, k, k, q, torch.empty(1, 6, 700), torch.empty(1, 6, 700),
