@@ -1,7 +1,7 @@
 """The split tail's second launch (ops/pieces.py) and the dK/dV kernel's pieces (ops/backward_sm90.py, SPLIT):
-``sum_pieces`` through Triton's interpreter on any machine; where ``launch_dkdv`` splits, and that the SPLIT kernel
-compiles for sm_90, on any machine; on an sm_90 GPU, that split launches meet the §3 rule. (The forward's pieces and
-``merge_pieces`` are tested in test_forward_sm90.py.)"""
+``sum_pieces`` and ``merge_pieces`` through Triton's interpreter, where ``launch_dkdv`` splits, and that the SPLIT
+kernel compiles for sm_90, on any machine; on an sm_90 GPU, that split launches meet the §3 rule. (The forward's
+pieces and their launches on the GPU are tested in test_forward_sm90.py.)"""
 
 from dataclasses import replace
 
@@ -13,7 +13,7 @@ from onlineattn.ops import backward as B
 from onlineattn.ops import backward_sm90
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import _BWD_WS_DKDV, BWD_TAIL_MIN_KEYS, bwd_config, fused_dq_tile, tail_pieces
-from onlineattn.ops.pieces import sum_pieces
+from onlineattn.ops.pieces import merge_pieces, sum_pieces
 from tests.ops.test_backward import _baseline_grads
 from tests.ops.test_backward_sm90 import gpu_inputs
 from tests.ops.test_forward_sm90 import _compiled
@@ -58,6 +58,38 @@ def test_sum_pieces_adds_each_blocks_pieces_in_order(b, sk, hkv, d, head_group, 
             w[column // hkv, keys, column % hkv] = total[: keys.stop - keys.start].to(dtype).cpu()
     for got, w in zip(outs, want):
         assert torch.equal(got.cpu().nan_to_num(), w.nan_to_num()) and torch.equal(got.isnan().cpu(), w.isnan())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("b,sq,hq,d,first,pieces", [(1, 300, 2, 32, 3, 3), (2, 128, 3, 64, 1, 2)])
+def test_merge_pieces_merges_each_tiles_pieces(b, sq, hq, d, first, pieces, dtype):
+    """The forward's tiles ``first ...`` (128 rows of one head, numbered as ``forward_sm90._tile_coords`` numbers them
+    without causal masking): each tile's ``pieces`` float32 states merged into its rows of o and lse as the oracle's
+    ``merge_states_list`` merges them (rows whose pieces are all empty: o = 0, lse = -inf); rows past Sq dropped, and
+    every other row keeps its NaN."""
+    g = torch.Generator().manual_seed(sq + d + pieces)
+    num_m = -(-sq // 128)
+    split = num_m * b * hq - first
+    o_part = torch.randn(split * pieces, 128, d, generator=g)
+    lse_part = torch.randn(split * pieces, 128, generator=g) * 4
+    lse_part[torch.rand(lse_part.shape, generator=g) < 0.3] = float("-inf")
+    lse_part[:, 5] = float("-inf")  # a row no piece saw
+    o = torch.full((b, sq, hq + 1, d), float("nan"), dtype=dtype, device=DEVICE)[:, :, :hq]
+    lse = torch.full((b, hq, sq), float("nan"), device=DEVICE)
+    merge_pieces(o_part.to(DEVICE), lse_part.to(DEVICE), o, lse, first, pieces)
+    want_o = torch.full((b, sq, hq, d), float("nan"), dtype=torch.float64)
+    want_lse = torch.full((b, hq, sq), float("nan"), dtype=torch.float64)
+    for i in range(split):
+        t = first + i
+        rows = slice((t % num_m) * 128, min((t % num_m) * 128 + 128, sq))
+        parts = slice(i * pieces, (i + 1) * pieces)
+        m_o, m_lse = R.merge_states_list(o_part[parts, None, :, None], lse_part[parts, None, None])
+        n = rows.stop - rows.start
+        want_o[t // num_m // hq, rows, t // num_m % hq] = torch.from_numpy(m_o[0, :n, 0])
+        want_lse[t // num_m // hq, t // num_m % hq, rows] = torch.from_numpy(m_lse[0, 0, :n])
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(o.cpu().double(), want_o.to(dtype).double(), equal_nan=True, **tol)
+    torch.testing.assert_close(lse.cpu().double(), want_lse, equal_nan=True, rtol=1e-5, atol=1e-5)
 
 
 def test_launch_dkdv_splits_the_tail_from_its_keys(monkeypatch):
