@@ -632,12 +632,14 @@ def test_tail_pieces_cut_the_last_lap_where_it_saves():
 
 def test_launch_splits_the_tail_from_its_keys(monkeypatch):
     """``forward_sm90.launch`` asks ``tail_pieces`` only for plain non-causal persistent launches (no window, no
-    sinks) with at least FWD_TAIL_MIN_KEYS keys for the head dim (where the A/B gained or tied), merges when it
-    splits, and then keeps no launch for relaunch (a repeat would skip the merge), whatever ``keep`` asked."""
-    from onlineattn.ops import forward_sm90
-    asked, merged, kept = [], [], []
-    monkeypatch.setattr(forward_sm90, "tail_pieces", lambda *a: asked.append(a) or 3)
-    monkeypatch.setattr(forward_sm90, "start", lambda keep, *a, **kw: kept.append(keep) or ("kept" if keep else None))
+    sinks) with at least FWD_TAIL_MIN_KEYS keys for the head dim (where the A/B gained or tied), hands the kernel the
+    item count, the first piece item, the piece count and SPLIT (1s without), merges when it splits, and then keeps
+    no launch for relaunch (a repeat would skip the merge), whatever ``keep`` asked."""
+    from onlineattn.ops import forward_sm90, pieces
+    asked, merged, kept, launched = [], [], [], []
+    monkeypatch.setattr(pieces, "tail_pieces", lambda *a: asked.append(a) or 3)
+    monkeypatch.setattr(forward_sm90, "start", lambda keep, *a, **kw: kept.append(keep) or launched.append((a, kw))
+                        or ("kept" if keep else None))
     monkeypatch.setattr(forward_sm90, "merge_pieces", lambda *a: merged.append(a[-2:]))
     monkeypatch.setattr(forward_sm90, "_sm_count", lambda device: 5)
     monkeypatch.setattr(forward_sm90, "descriptors", lambda *a: (None,) * 4)
@@ -649,7 +651,7 @@ def test_launch_splits_the_tail_from_its_keys(monkeypatch):
                                                     (least, False, False, None, None),
                                                     (least, False, True, (least, least), None),
                                                     (least, False, True, None, torch.zeros(2))):
-            asked.clear(), merged.clear(), kept.clear()
+            asked.clear(), merged.clear(), kept.clear(), launched.clear()
             cfg = replace(_FWD_WS[False][d], persistent=persistent)
             q = torch.empty(1, 700, 2, d, dtype=torch.bfloat16)
             k = torch.empty(1, sk, 2, d, dtype=torch.bfloat16)
@@ -659,9 +661,13 @@ def test_launch_splits_the_tail_from_its_keys(monkeypatch):
             tiles = 2 * -(-700 // cfg.block_m)
             case = (d, sk, causal, persistent, band, sinks)
             assert grid == ((5,) if persistent else (tiles,)), case
-            assert asked == ([(tiles, 5, -(-sk // cfg.block_n))] if split else []), case
+            assert asked == ([(tiles, 5, -(-sk // cfg.block_n), 1)] if split else []), case
             assert merged == ([(tiles - tiles % 5, 3)] if split else []), case
             assert kept == [not split] and (relaunch is None) == split, case
+            args, kw = launched[0]
+            full = tiles - tiles % 5 if split else 1
+            items = tiles + (tiles - full) * 2 if split else tiles  # 3 pieces a split tile
+            assert (args[-8], args[-2], args[-1], kw["SPLIT"]) == (items, full, 3 if split else 1, split), case
 
 
 def _tile_blocks(t, count, num_tiles, seqlen_q, seqlen_k, causal, block_m, block_n, rows=None, band=None):

@@ -99,7 +99,7 @@ def test_launch_dkdv_splits_the_tail_from_its_keys(monkeypatch):
     slot a piece and SPLIT (None workspaces and 1s without), sums when it splits, and then keeps no launch for
     relaunch (a repeat would skip the sum)."""
     asked, summed, kept, launched = [], [], [], []
-    monkeypatch.setattr(backward_sm90, "tail_pieces", lambda *a, **kw: asked.append((*a, kw)) or 3)
+    monkeypatch.setattr("onlineattn.ops.pieces.tail_pieces", lambda *a: asked.append(a) or 3)
     monkeypatch.setattr(backward_sm90, "start", lambda keep, *a, **kw: kept.append(keep) or launched.append((a, kw))
                         or ("kept" if keep else None))
     monkeypatch.setattr(backward_sm90, "sum_pieces", lambda *a: summed.append(a[-4:]))
@@ -123,7 +123,7 @@ def test_launch_dkdv_splits_the_tail_from_its_keys(monkeypatch):
             split = sk >= least and d in BWD_TAIL_MIN_KEYS and not causal and persistent
             tiles = 3 * -(-sk // tile.block_n)
             case = (d, sk, causal, persistent, fused)
-            assert asked == ([(tiles, grid[0], -(-700 // tile.block_m) * 2, {"overhead": 2})] if split else []), case
+            assert asked == ([(tiles, grid[0], -(-700 // tile.block_m) * 2, 2)] if split else []), case
             assert summed == ([(tiles - tiles % grid[0], 3, 3, 1)] if split else []), case
             assert not split or tiles % grid[0], case
             assert kept == [not split] and (relaunch is None) == split, case

@@ -61,10 +61,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ._common import LOG2E, tile_of, tma_aligned
-from ._configs import BWD_TAIL_MIN_KEYS, tail_pieces
+from ._configs import BWD_TAIL_MIN_KEYS
 from ._launch import cdiv, start
 from .forward_sm90 import Tile, _sm_count, balanced_programs, descriptor, snake
-from .pieces import sum_pieces
+from .pieces import split_tail, sum_pieces
 
 HEAD_DIMS = (64, 128, 256)  # what this kernel is built and tested for (d = 256 splits the head dim: _consumer_split)
 
@@ -1011,8 +1011,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
                              f"once, and this device runs {ordered_blocks(q.device)}")
     dq_arg = dq_descriptor(dq_acc, tile, d, q.device)
     plain = tile.persistent and not causal and sk >= BWD_TAIL_MIN_KEYS.get(d, sk + 1)
-    pieces = tail_pieces(num_tiles, grid[0], cdiv(sq, tile.block_m) * (hq // hkv), overhead=2) if plain else 1
-    full = num_tiles - num_tiles % grid[0] if pieces > 1 else 1  # 1 (with pieces 1): no kernel argument
+    pieces, full, items = split_tail(num_tiles, grid[0], cdiv(sq, tile.block_m) * (hq // hkv), 2, plain)
     parts = (None, None)  # constexprs: a kept launch's arrays lead its arguments (_launch.prepare)
     if pieces > 1:  # the last lap's key blocks in pieces: their float32 dK and dV, summed after (not kept)
         parts = tuple(torch.empty((num_tiles - full) * pieces, tile.block_n, d, device=q.device, dtype=torch.float32)
@@ -1023,7 +1022,7 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
         q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse, delta, dk, dv, dq_arg, semaphores(dq_sem, q.device),
         lse.stride(0), lse.stride(1),
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2), rows_per_batch,
-        sq, sk, hkv, scale * LOG2E, scale, group, num_tiles + (num_tiles - full) * (pieces - 1), window_left or 0,
+        sq, sk, hkv, scale * LOG2E, scale, group, items, window_left or 0,
         *parts, full, pieces,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, HEAD_DIM=d, STAGES=tile.num_stages, CAUSAL=causal,
         GROUP=hq // hkv, FUSED_DQ=tile.fused_dq, ORDERED=tile.dq_ordered, TMA_OUT=stores_by_tma(q, dk, dv, tile),

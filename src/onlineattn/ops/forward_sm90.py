@@ -65,9 +65,9 @@ from triton.language.core import _aggregate as aggregate
 
 from ._common import LOG2E
 from . import _launch as launch_cache
-from ._configs import FWD_TAIL_MIN_KEYS, tail_pieces
+from ._configs import FWD_TAIL_MIN_KEYS
 from ._launch import bounded_put, cdiv, keep_by_address, sm_count, start
-from .pieces import merge_pieces
+from .pieces import merge_pieces, split_tail
 
 ROWS_PER_WARPGROUP = 64
 O_COLUMNS = 128  # an O store's box width (d = 256 stores two halves: a whole-row buffer would not fit)
@@ -886,8 +886,7 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False,
             if cfg.persistent else num_tiles,)
     left, right = band or (0, 0)
     plain = cfg.persistent and not masked and sinks is None and sk >= FWD_TAIL_MIN_KEYS.get(d, sk + 1)
-    pieces = tail_pieces(num_tiles, grid[0], cdiv(sk, cfg.block_n)) if plain else 1
-    full = num_tiles - num_tiles % grid[0] if pieces > 1 else 1  # 1 (with pieces 1): no kernel argument
+    pieces, full, items = split_tail(num_tiles, grid[0], cdiv(sk, cfg.block_n), 1, plain)
     parts = (None, None)
     if pieces > 1:  # the last lap's tiles in pieces: their float32 states, merged after (not kept: two launches)
         slots = (num_tiles - full) * pieces
@@ -897,7 +896,7 @@ def launch(q, k, v, o, lse, scale: float, causal: bool, cfg, keep: bool = False,
     kept = start(
         keep, attention_fwd_sm90_kernel, grid, 5,
         *descriptors(q, k, v, o, cfg), lse, lse.stride(0), lse.stride(1),
-        sq, sk, hq, hq // hkv, scale * LOG2E, num_tiles + (num_tiles - full) * (pieces - 1), left, right, sinks,
+        sq, sk, hq, hq // hkv, scale * LOG2E, items, left, right, sinks,
         *parts, full, pieces,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, HEAD_DIM=d, STAGES=cfg.num_stages, CAUSAL=masked,
         Q_STAGES=cfg.q_stages, HALF_DIAG=half_diagonal(sq, sk, causal, cfg),

@@ -12,9 +12,22 @@ import triton
 import triton.language as tl
 
 from ._common import merge_splits, tile_of
+from ._configs import tail_pieces
 from ._launch import cdiv, launch as launch_kernel
 
 MERGE_ELEMENTS = 4096  # a program's rows times the head dim: 32 rows at d = 128
+
+
+def split_tail(num_tiles: int, programs: int, blocks: int, overhead: int, allowed: bool) -> tuple:
+    """How a persistent launch of ``num_tiles`` equal tiles of ``blocks`` blocks over ``programs`` programs splits its
+    last lap (``tail_pieces``, where ``allowed``): (pieces a tile, the first piece item, the items the kernel takes:
+    whole tiles, then each split tile's pieces in turn); (1, 1, num_tiles) without a split (1s: constexprs, no
+    kernel argument)."""
+    pieces = tail_pieces(num_tiles, programs, blocks, overhead) if allowed else 1
+    if pieces == 1:
+        return 1, 1, num_tiles
+    full = num_tiles - num_tiles % programs
+    return pieces, full, num_tiles + (num_tiles - full) * (pieces - 1)
 
 
 @triton.jit
