@@ -13,7 +13,7 @@ the host µs of one eager call, with the GPU held busy so that no call waits for
 host, this is why); ``eager``, the bench's default timing (``do_bench`` after the bench's GPU warm-up, under
 no_grad), which times the host wherever the host takes longer than do_bench's L2 clear and the call. ``--causal``
 passes ``causal=True`` (one query token: the same result; the launcher picks its causal build where that reads
-faster). ``--set NAME=VALUE`` overrides an integer of ``onlineattn.ops._configs`` for this process (a rule's
+faster). ``--set NAME=VALUE`` overrides an integer of ``onlineattn.ops._decode_configs`` for this process (a rule's
 threshold, for example ``MERGE_TREE_MAX_ROWS=32``); ``--splits`` forces a split count; ``--no-tma`` keeps pointer
 loads wherever the launcher would stream K and V by TMA. Each line also names the
 tile, split count and merge the launcher chose.
@@ -30,7 +30,7 @@ import triton.testing
 from onlineattn.api import attention_with_kvcache
 from onlineattn.bench.decode import _time as bench_time
 from onlineattn.bench.rows import time_cold
-from onlineattn.ops import _configs as C
+from onlineattn.ops import _decode_configs as C
 from onlineattn.ops import decode as D
 
 
@@ -85,7 +85,7 @@ def main() -> None:
     for item in args.set:
         name, value = item.split("=")
         if type(getattr(C, name, None)) is not int:  # not a bool flag, not a missing name
-            raise SystemExit(f"--set: {name} is not an integer of _configs")
+            raise SystemExit(f"--set: {name} is not an integer of _decode_configs")
         setattr(C, name, int(value))
     for shape in args.shapes.split(","):
         hq, hkv, b, length = (int(x) for x in shape.split(":"))

@@ -10,7 +10,7 @@ import torch
 import triton.testing
 
 from onlineattn import reference as R
-from onlineattn.ops._configs import DecodeConfig
+from onlineattn.ops._decode_configs import DecodeConfig
 from onlineattn.ops.decode import attention_with_kvcache
 
 HQ, HKV, D = 32, 8, 128

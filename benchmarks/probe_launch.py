@@ -105,11 +105,12 @@ def time_decode(reps: str = "3000") -> None:
     alone. CPU tensors stand in for CUDA ones; the API is told the backend is Triton, and the launcher takes the
     H200's tile table and SM count (so the split count, the workspace and its stream lookup are the GPU's)."""
     from onlineattn import api
-    from onlineattn.ops import _configs, decode
+    from onlineattn.ops import _decode_configs, decode
 
     reps = int(reps)
     api._resolve_backend = lambda backend, **tensors: "triton"
-    decode.decode_config = lambda d, dv, dtype, device_type, **kw: _configs.decode_config(d, dv, dtype, "cuda", **kw)
+    decode.decode_config = lambda d, dv, dtype, device_type, **kw: _decode_configs.decode_config(d, dv, dtype, "cuda",
+                                                                                                 **kw)
     decode._sm_count = lambda device: 132
     q = torch.randn(1, 1, 32, 128, dtype=torch.bfloat16)
     k, v = (torch.randn(1, 4096, 8, 128, dtype=torch.bfloat16) for _ in range(2))

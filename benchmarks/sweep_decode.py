@@ -13,7 +13,7 @@ sleep kernel after the clear), so the events time the kernel's own work from HBM
 decode step costs on the device when other work (the model's other layers) has evicted this layer's K/V.
 
 Each case prints the automatic choice ("auto": the launcher's ``decode._choose``) beside the best measured
-ones, so a rule that misses shows as a gap. The winners go into src/onlineattn/ops/_configs.py with the reason.
+ones, so a rule that misses shows as a gap. The winners go into src/onlineattn/ops/_decode_configs.py with the reason.
 """
 
 import argparse
@@ -26,7 +26,7 @@ import triton.testing
 
 from onlineattn.api import attention_with_kvcache as api_call
 from onlineattn.bench.rows import time_cold
-from onlineattn.ops import _configs as C
+from onlineattn.ops import _decode_configs as C
 from onlineattn.ops import decode as decode_ops
 from onlineattn.ops.decode import attention_with_kvcache as kernel_call
 

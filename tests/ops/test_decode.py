@@ -15,7 +15,7 @@ import torch
 
 import onlineattn
 from onlineattn import reference as R
-from onlineattn.ops import _configs as C
+from onlineattn.ops import _decode_configs as C
 from onlineattn.ops import decode as D
 from onlineattn.ops.forward import descriptor
 

@@ -25,7 +25,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from onlineattn._mods import PLAIN, Mods
 from onlineattn.dropout import draw_rng_state
 from onlineattn.ops import _launch, backward, decode, forward
-from onlineattn.ops._configs import bwd_config, decode_config, fwd_config
+from onlineattn.ops._configs import bwd_config, fwd_config
+from onlineattn.ops._decode_configs import decode_config
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ the memory system busy:
 - GQA packing. A program owns one (sequence, kv head) and the query rows of its group: row ``r`` is query token
   ``r // GROUP`` of head ``kv_head · GROUP + r % GROUP`` (as in ``forward.py``), so K and V are read once for up
   to ``BLOCK_M`` rows. With many query tokens (chunked prefill) rows beyond ``BLOCK_M`` run as further programs (row
-  blocks), as do wide groups on sparse grids (``_configs.decode_block_m``: 16-row blocks reading the same keys).
+  blocks), as do wide groups on sparse grids (``_decode_configs.decode_block_m``: 16-row blocks reading the same keys).
 - Split-KV. With few (sequence, kv head) pairs there are too few programs to fill the GPU, so the key range of each
   sequence is cut into ``num_splits`` chunks processed in parallel. Each writes a float32 partial state into a
   scratch buffer and counts itself in with an atomic; the last split of a program to arrive merges all of them, in
@@ -39,8 +39,8 @@ import triton.language as tl
 from . import cache
 from ._common import (LOG2E, finalize_merge, finalize_state, key_range, merge_splits,
                       online_softmax_step, packed_rows, page_and_slot, row_tile)
-from ._configs import (DECODE_WIDE_ROWS, INTERPRETER_SMS, DecodeConfig, decode_block_m, decode_chunk, decode_config,
-                       decode_splits, merge_at_once_splits, merge_tree_node)
+from ._decode_configs import (DECODE_WIDE_ROWS, INTERPRETER_SMS, DecodeConfig, decode_block_m, decode_chunk,
+                              decode_config, decode_splits, merge_at_once_splits, merge_tree_node)
 from ._launch import bounded_put, cdiv, keep_by_address, next_power_of_2, prepare, sm_count
 from .forward import KERNEL_DTYPES, MAX_GRID_Y, _last_dim_contiguous, check_int32_offsets, descriptor
 
@@ -284,12 +284,12 @@ def _sm_count(device: torch.device) -> int:
 MERGE_STAGES = 4
 MERGE_PIPELINE_MAX_ELEMENTS = 16 * 128
 # Where every split's partials of a program's packed rows (its row block's) fit in registers at once
-# (_configs.merge_at_once_splits) and the grid has at most the tile's programs per SM, the merging split loads them in
-# one go (_merge_splits_at_once) instead of looping over the splits. NOTES v19 (graph-timed, d = 128, Hq 32, Hkv 8):
-# B = 1, L = 4k 11.2 -> 10.0 us, L = 32k 40.1 -> 38.5 us; over fuller grids it tied or lost (B = 16, L = 32k: 2
-# splits 548 -> 561 us, 8 splits 490 -> 513 us), so those keep the loop (_merge_at_once). The short-cache tile
-# (_configs._DECODE_SHORT) fills two programs per SM and merges at once over them. Past one load the merge runs as a
-# tree of such loads (_merge_tree) where a program holds few rows (_configs.merge_tree_node, NOTES v37).
+# (_decode_configs.merge_at_once_splits) and the grid has at most the tile's programs per SM, the merging split loads
+# them in one go (_merge_splits_at_once) instead of looping over the splits. NOTES v19 (graph-timed, d = 128, Hq 32,
+# Hkv 8): B = 1, L = 4k 11.2 -> 10.0 us, L = 32k 40.1 -> 38.5 us; over fuller grids it tied or lost (B = 16, L = 32k:
+# 2 splits 548 -> 561 us, 8 splits 490 -> 513 us), so those keep the loop (_merge_at_once). The short-cache tile
+# (_decode_configs._DECODE_SHORT) fills two programs per SM and merges at once over them. Past one load the merge runs
+# as a tree of such loads (_merge_tree) where a program holds few rows (_decode_configs.merge_tree_node, NOTES v37).
 
 
 @dataclass(frozen=True, eq=False)
