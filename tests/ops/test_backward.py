@@ -348,7 +348,7 @@ def test_every_head_dim_bf16(d, causal):
 
 
 def _in_register_order(acc, block_m: int):
-    """``acc [B, rows, Hq, D]`` laid out as the fused dQ kernel adds it (``backward_sm90._dq_coord``, written out
+    """``acc [B, rows, Hq, D]`` laid out as the fused dQ kernel adds it (``backward_sm90_dq._dq_coord``, written out
     here independently of the kernels): per (batch, row tile, head) two parts of 64 rows by ``C`` columns (the tile's
     row halves on 128-row tiles, else its column halves), each in wgmma's register order ([warp, column group of 8,
     lane // 4, lane % 4, row half, column pair] of rows ``16 warp + 8 half + lane // 4`` and columns

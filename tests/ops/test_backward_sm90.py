@@ -1,6 +1,7 @@
-"""The warp-specialized Hopper dK/dV kernel (ops/backward_sm90.py): where the table routes it, that it compiles for
-sm_90 on any machine, and on an sm_90 GPU that dK and dV meet the §3 rule, and dQ where the kernel adds it (fused,
-in any order or in a fixed one); elsewhere dQ comes from the Triton kernel."""
+"""The warp-specialized Hopper dK/dV kernel (ops/backward_sm90.py, with backward_sm90_schedule.py and
+backward_sm90_dq.py): where the table routes it, that it compiles for sm_90 on any machine, and on an sm_90 GPU
+that dK and dV meet the §3 rule, and dQ where the kernel adds it (fused, in any order or in a fixed one); elsewhere
+dQ comes from the Triton kernel."""
 
 import warnings
 from dataclasses import replace
@@ -203,7 +204,7 @@ def test_persistent_programs_balance_the_causal_laps():
     walk of the kernel's order (``_key_block``: columns in head groups, each group's key blocks from block 0 across
     its heads; laps of programs, odd full laps reversed), a key block costing its row tiles (of the GQA group) + 2;
     the SMs for equal non-causal blocks and where the blocks fit."""
-    from onlineattn.ops.backward_sm90 import programs
+    from onlineattn.ops.backward_sm90_schedule import programs
 
     assert programs(1024, 1024, 256, 1, False, 64, 128, 1, 132) == 132
     assert programs(300, 300, 2, 1, True, 64, 128, 1, 132) == 6
@@ -317,17 +318,17 @@ def test_dq_descriptor_boxes_are_a_warpgroups_part():
     head, 128] for a part of 64 rows by C columns: half the rows of a 128-row tile over all d columns, d = 64's table
     tile, else all rows over half the columns), both parts where the ordered writer warp copies them; without a fused dQ
     a placeholder of 8 rows that only sizes the kernel's unused staging."""
-    from onlineattn.ops import backward_sm90
+    from onlineattn.ops import backward_sm90_dq
 
     acc = lambda d: torch.zeros(1, 256, 2, d)  # noqa: E731
-    desc = lambda tile, d: backward_sm90.dq_descriptor(acc(d), tile, d, "cpu")  # noqa: E731
+    desc = lambda tile, d: backward_sm90_dq.dq_descriptor(acc(d), tile, d, "cpu")  # noqa: E731
     assert desc(fused_dq_tile(64, causal=False), 64).block_shape == [32, 1, 128]
     assert desc(fused_dq_tile(64, ordered=True, causal=True), 64).block_shape == [64, 1, 128]  # both parts
     assert desc(replace(fused_dq_tile(64, causal=False), block_m=64), 64).block_shape == [16, 1, 128]
     assert desc(fused_dq_tile(128, causal=False), 128).block_shape == [32, 1, 128]
     assert desc(fused_dq_tile(128, causal=False), 128).layout.swizzle_byte_width == 0
     for d in (64, 128):
-        assert backward_sm90.dq_descriptor(None, _BWD_WS_DKDV[d], d, "cpu").block_shape == [8, d // 2]
+        assert backward_sm90_dq.dq_descriptor(None, _BWD_WS_DKDV[d], d, "cpu").block_shape == [8, d // 2]
 
 
 _COMPILE = """

@@ -10,7 +10,7 @@ import torch
 
 from onlineattn import reference as R
 from onlineattn.ops import backward as B
-from onlineattn.ops import backward_sm90
+from onlineattn.ops import backward_sm90, backward_sm90_schedule
 from onlineattn.ops import forward as F
 from onlineattn.ops._configs import _BWD_WS_DKDV, BWD_TAIL_MIN_KEYS, bwd_config, fused_dq_tile, tail_pieces
 from onlineattn.ops.pieces import merge_pieces, sum_pieces
@@ -236,7 +236,7 @@ def test_split_tail_matches_oracle(shape, tile, monkeypatch):
     monkeypatch.setattr(backward_sm90, "BWD_TAIL_MIN_KEYS", {64: 0, 128: 0})
     got, again = run(), run()
     tiles = -(-sk // 128) * b * hkv
-    programs = backward_sm90.programs(sq, sk, b * hkv, hq // hkv, False, base.block_m, 128, 1, sms)
+    programs = backward_sm90_schedule.programs(sq, sk, b * hkv, hq // hkv, False, base.block_m, 128, 1, sms)
     pieces = tail_pieces(tiles, programs, -(-sq // base.block_m) * (hq // hkv), overhead=2)
     assert summed == [pieces] * 2 and pieces > 1, (summed, pieces)
     for x, y in zip(got[1:], whole[1:]):

@@ -508,7 +508,7 @@ _BWD_WS_DQ = {256: BwdTile(128, 32, 8, 3, tma=True)}
 #   16384 (rows of 796ccf3) non-causal 525 against 517, causal 502 against 540. The table still gives calls that
 #   allow any order the unordered tile (5a74f7e routed them to the ordered one below 16384; reverted, because its
 #   programs wait on each other and deterministic=False is the documented way around those waits, docs/limitations.md).
-#   Session 37 (NOTES v29; d = 64's 128-row tiles split dQ by rows, backward_sm90.dq_part_rows; .devrun/bab37.py, one
+#   Session 37 (NOTES v29; d = 64's 128-row tiles split dQ by rows, backward_sm90_dq.dq_part_rows; .devrun/bab37.py, one
 #   process a route, whole backward, cold do_bench TFLOP/s, three readings): non-causal 1024 fused 346-352 against
 #   the table's Gluon dK/dV + Triton dQ 330-331 (512: 274-275 against 284-289). So d = 64 non-causal from 1024.
 BWD_FUSED_DQ_MIN_KEYS = {64: (1024, 2048), 128: (512, 512)}
@@ -564,8 +564,8 @@ BWD_ORDERED_LAST_BLOCK_FIRST = {64: True, 128: False}
 BWD_EARLY_DV = {64: (False, False), 128: (True, False)}
 # - Persistent dK/dV grids (session 30, NOTES v22; .devrun/bsweep30.py, whole backward through the table, graph-timed,
 #   two passes alternated with the tree before, TFLOP/s at N = 512 / 1024 / 2048 / 8192, B·N = 16k, H = 2048 / d).
-#   Up to one program per SM, each over key blocks in the forward's snake order (backward_sm90.programs), the next
-#   block's Q/dO under the last one's epilogue. d = 128's unordered fused tile, non-causal 315-316 / 394-399 /
+#   Up to one program per SM, each over key blocks in the forward's snake order (backward_sm90_schedule.programs), the
+#   next block's Q/dO under the last one's epilogue. d = 128's unordered fused tile, non-causal 315-316 / 394-399 /
 #   454-461 / 511-519 -> 325-328 / 410 / 469 / 527-530, causal 202-203 / 289-291 / 373-375 / 467-471 -> 207-208 /
 #   301-302 / 388-389 / 491-493; d = 64's plain tile non-causal 270-274 / 322-327 -> 278-280 / 326-328, causal 182-185
 #   / 249-252 -> 189-191 / 253-257. d = 256 within 1 % either way (-1 % causal 8192); d = 64's fused 128-row tiles

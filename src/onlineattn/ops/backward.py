@@ -49,9 +49,9 @@ from . import bias_grad as bias_grad_kernel
 from . import _launch as launch_cache
 
 try:  # Gluon's Hopper API as triton 3.6 has it; without it the Triton dK/dV kernel runs
-    from . import backward_sm90
+    from . import backward_sm90, backward_sm90_dq
 except ImportError:  # pragma: no cover - other Triton versions
-    backward_sm90 = None
+    backward_sm90 = backward_sm90_dq = None
 from ._common import (
     LOG2E, band_key_range, band_row_range, bwd_probs, key_range, packed_rows, row_tile, sequence_bounds,
     tile_order, tma_aligned,
@@ -79,7 +79,7 @@ def attention_bwd_preprocess_kernel(
 ):
     """Delta of ``BLOCK_M`` rows of one (batch, head); and, for a fused dQ, zeroes in ``ZERO``: with ``ZERO_ROWS``
     these rows of the float32 accumulator (``[B, zero_rows, Hq, Dv]``, padding rows past Sq too: the kernel lays
-    each row tile's values out in its own order, ``backward_sm90._dq_coord``; the grid covers ``zero_rows``),
+    each row tile's values out in its own order, ``backward_sm90_dq._dq_coord``; the grid covers ``zero_rows``),
     with ``ZERO_TILE`` the int32 counter of each ``ZERO_TILE``-row tile that starts among these rows
     (``[B, Hq, zero_rows]``: zero_rows tiles), else nothing."""
     pid_m = tl.program_id(0)
@@ -455,8 +455,8 @@ def _dq_block(
 def attention_bwd_dq_scale_kernel(ACC, DQ, scale, stride_db, stride_ds, stride_dh, tiles, seqlen_q, heads_q,
                                   HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
     """dQ = ``scale`` · a fused dQ's float32 sum in dQ's dtype, one (batch, row tile, head) a program: its
-    ``BLOCK_M · HEAD_DIM`` values of ``ACC`` (``backward_sm90._dq_coord``: rows of 128 values, ``heads_q`` rows apart,
-    holding two warpgroup parts of 64 rows by ``C`` columns, each in the order of wgmma's registers,
+    ``BLOCK_M · HEAD_DIM`` values of ``ACC`` (``backward_sm90_dq._dq_coord``: rows of 128 values, ``heads_q`` rows
+    apart, holding two warpgroup parts of 64 rows by ``C`` columns, each in the order of wgmma's registers,
     ``_register_order``), put back in place; rows past Sq are padding, never stored."""
     pid = tl.program_id(0)
     h = pid % heads_q
@@ -723,7 +723,7 @@ class _Zero(NamedTuple):
 
 def _dq_accumulator(dq, tile, causal: bool, seqlen_k: int):
     """Float32 dQ ``[B, Sq rounded up to the row tile, Hq, D]`` for a ``fused_dq`` kernel's TMA copies (each row
-    tile's memory in the kernel's order, ``backward_sm90._dq_coord``, which the scaling pass undoes), and for a
+    tile's memory in the kernel's order, ``backward_sm90_dq._dq_coord``, which the scaling pass undoes), and for a
     ``dq_ordered`` one its int32 counters ``[B, Hq, row tiles]`` (else None), from one allocation; and the ``_Zero``
     the preprocess kernel, which runs before the dK/dV kernel, applies: every row of the accumulator (padding rows
     too) for the adds in any order, the counters for the ordered ones.
@@ -817,8 +817,8 @@ def _repeat(do, q, k, v, o, lse, dlse, dq, dk, dv, scale, causal, routing):
     dq_acc, dq_sem, zero = _dq_accumulator(dq, step.cfg.dkdv, masked, k.shape[1]) if fused else (None, None, None)
     if step.cfg.dkdv.gluon:
         descriptors = backward_sm90.descriptors(q, k, v, do, dk, dv, step.cfg.dkdv)
-        dq_arg = backward_sm90.dq_descriptor(dq_acc, step.cfg.dkdv, q.shape[-1], q.device)
-        arrays_dkdv = (*descriptors, lse, delta, dk, dv, dq_arg, backward_sm90.semaphores(dq_sem, q.device))
+        dq_arg = backward_sm90_dq.dq_descriptor(dq_acc, step.cfg.dkdv, q.shape[-1], q.device)
+        arrays_dkdv = (*descriptors, lse, delta, dk, dv, dq_arg, backward_sm90_dq.semaphores(dq_sem, q.device))
     else:
         arrays_dkdv = (q_arg, k, v, do_arg, lse, delta, dk, dv)
     if fused:

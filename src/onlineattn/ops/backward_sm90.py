@@ -46,77 +46,31 @@ order, so the table takes that only for calls that allow it (``deterministic=Fal
 warpgroups stage their dQ tiles for a writer warp that adds them in a fixed order (``_dq_writer``, ``_turn``; a row
 tile's first add is a TMA store, so that accumulator needs no zeroing), and deterministic calls take it where it
 measured faster than the dQ kernel. Either way a pass after the kernel scales the sum into dq (``backward.py``).
+
+Which key blocks and row tiles a program takes, and a persistent launch's program count, are in
+``backward_sm90_schedule.py``; the fused dQ's layout, its adds and the ordered writer in ``backward_sm90_dq.py``.
 """
 
-import functools
-
-import numpy as np
 import torch
-from triton._C.libtriton import ir as _ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language._core import builtin as _builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait,
 )
 
-from ._common import LOG2E, tile_of, tma_aligned
+from ._common import LOG2E, tma_aligned
 from ._configs import BWD_TAIL_MIN_KEYS
 from ._launch import cdiv, start
-from .forward_sm90 import Tile, _sm_count, balanced_programs, descriptor, snake
+from .backward_sm90_dq import (DQ_ORDER_COLS, _dq_writer, _ds_rows, _hand_dq, dq_descriptor, dq_order_rows,
+                               dq_part_cols, dq_part_offset, dq_part_rows, semaphores)
+from .backward_sm90_schedule import _blocks, _key_block, _piece, _row_tile, programs
+from .forward_sm90 import Tile, _sm_count, descriptor
 from .pieces import split_tail, sum_pieces
 
 HEAD_DIMS = (64, 128, 256)  # what this kernel is built and tested for (d = 256 splits the head dim: _consumer_split)
 
 KEYS_PER_WARPGROUP = 64
 ROW_TILES = {64: (64, 128)}  # the row tiles a head dim takes, where not only 64 (128 rows: registers for d <= 64 only)
-
-
-@gluon.constexpr_function
-def dq_split_rows(block_m):
-    """Whether the two warpgroups split a fused-dQ row tile's dQ by rows: on 128-row tiles each adds its 64 rows
-    over all d columns, so its dS K is one wgmma of N = d per 16 keys with its dS operand read once (2/3 of the
-    shared-memory reads of [128 rows, d / 2] at d = 64: NOTES v29); else (wgmma takes 64 rows at a time) each adds
-    half the columns."""
-    return block_m >= 128
-
-
-@gluon.constexpr_function
-def dq_part_rows(block_m):
-    """The rows of a row tile's dQ one warpgroup adds (``dq_split_rows``)."""
-    return block_m // 2 if dq_split_rows(block_m) else block_m
-
-
-@gluon.constexpr_function
-def dq_part_cols(block_m, d):
-    """The head-dim columns of that part."""
-    return d if dq_split_rows(block_m) else d // 2
-
-
-@gluon.constexpr_function
-def dq_part_offset(block_m, d, wg):
-    """Where warpgroup ``wg``'s part starts in the row tile's dQ: (row, column)."""
-    return (wg * (block_m - dq_part_rows(block_m)), wg * (d - dq_part_cols(block_m, d)))
-
-
-DQ_ORDER_COLS = gl.constexpr(128)  # float32 columns of the dQ accumulator's register-order view: 32 lanes x 4 values
-
-
-@gluon.constexpr_function
-def dq_order_rows(block_m, d):
-    """Rows of ``DQ_ORDER_COLS`` one warpgroup's part of a row tile's dQ takes in register order (``_register_order``;
-    a part is 64 rows by ``dq_part_cols``): the dQ descriptor's box, twice that for the ordered writer's copy."""
-    return dq_part_rows(block_m) * dq_part_cols(block_m, d) // DQ_ORDER_COLS.value
-
-
-@_builtin
-def _tma_reduce_add(desc, coord, src, _semantic=None):
-    """Add shared-memory block ``src`` (the descriptor's block shape and layout) into global memory at ``coord`` by
-    an asynchronous TMA reduce (``cp.reduce.async.bulk.tensor``, one bulk group: ``tma.store_wait`` waits for it
-    like a store). Triton 3.6's Gluon exposes no such call; its register-operand ``descriptor_reduce`` waits for
-    the copy engine to read the staging memory at once, which measured slower (NOTES v13)."""
-    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-    _semantic.builder.create_async_tma_reduce(_ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
 
 @gluon.jit
@@ -256,68 +210,6 @@ def attention_bwd_dkdv_sm90_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_
                                          SPLIT=SPLIT),)),
             (_producer, loads),
         ], [4, 1], [240, 24])
-
-
-@gluon.jit
-def _key_block(tid, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, split, tile):
-    """Tile ``tid`` -> (batch, kv head, key block, its first key, its first row tile's first row, row tiles per head
-    of the group, the ORDERED rotation). (batch, kv head) columns go in groups of ``head_group`` (ORDERED: 1, so a
-    head's programs launch together), key block 0 first (under causal masking the one with the most rows), or with
-    LAST_BLOCK_FIRST (ORDERED causal) the last: a tile's adds then come from the last key blocks first (_turn).
-    Persistent programs take their laps of tiles in the forward's snake order (``programs``). With SPLIT (``split``:
-    (first piece item, pieces a tile)) ``tid`` and ``num_tiles`` count items, and a piece is its tile's (``_piece``
-    says which row tiles it takes)."""
-    num_n = gl.cdiv(seqlen_k, tile.BLOCK_N)
-    if tile.PERSISTENT:
-        tid = snake(tid, num_tiles)
-    if tile.SPLIT:
-        slot = gl.maximum(tid - split[0], 0)  # a piece's place among the pieces (0 for a whole block)
-        tid = gl.minimum(tid, split[0]) + slot // split[1]
-        num_tiles = split[0] + (num_tiles - split[0]) // split[1]
-    last_first, pid_bh = tile_of(tid, num_n, num_tiles // num_n, head_group)
-    pid_n = last_first
-    if not tile.LAST_BLOCK_FIRST:
-        pid_n = num_n - 1 - last_first
-    n0 = pid_n * tile.BLOCK_N
-    lo = 0
-    if tile.CAUSAL:  # rows before the first key's diagonal see none of this block (query i sees key j <= i + Sk - Sq)
-        lo = gl.maximum(n0 - (seqlen_k - seqlen_q), 0) // tile.BLOCK_M * tile.BLOCK_M
-    rows_end = seqlen_q
-    if tile.WINDOW:  # (causal) rows past the last key's window see none of this block: query i sees keys from
-        rows_end = gl.minimum(seqlen_q, n0 + tile.BLOCK_N - (seqlen_k - seqlen_q) + window_left)  # i + diag - left
-    row_tiles = gl.maximum(gl.cdiv(rows_end - lo, tile.BLOCK_M), 0)  # per head of the group
-    shift = 0
-    if tile.ORDERED and not tile.CAUSAL:  # programs start their row tiles apart (_turn)
-        n_tiles = gl.maximum(row_tiles * tile.GROUP, 1)
-        shift = (pid_n * _spacing(row_tiles * tile.GROUP, seqlen_k, tile.BLOCK_N)) % n_tiles
-    return pid_bh // heads_kv, pid_bh % heads_kv, pid_n, n0, lo, row_tiles, shift
-
-
-@gluon.jit
-def _piece(tid, n_tiles, num_tiles, split):
-    """SPLIT: item ``tid`` of ``num_tiles`` (``_key_block``) -> (its first row tile, the row tile past its last, its
-    slot among the pieces, -1 for a whole key block): piece ``p`` of ``s`` takes row tiles ``p · n / s`` to ``(p + 1)
-    · n / s`` of its block's ``n_tiles``."""
-    slot = snake(tid, num_tiles) - split[0]
-    piece = gl.maximum(slot, 0) % split[1]
-    first = gl.where(slot >= 0, piece * n_tiles // split[1], 0)
-    end = gl.where(slot >= 0, (piece + 1) * n_tiles // split[1], n_tiles)
-    return first, end, gl.maximum(slot, -1)
-
-
-@gluon.jit
-def _blocks(block: gl.constexpr, args, num_tiles, tile):
-    """A partition's key blocks: ``block(tid, it, n, args, tile)`` for key block ``pid``, or with PERSISTENT for
-    ``pid, pid + programs, ...`` (its ``n``-th, its row tiles from the ``it``-th, which it returns advanced). Called
-    once where a program owns one block: a loop around it there cost the ordered dQ 2-3 % (NOTES v22)."""
-    if tile.PERSISTENT:
-        it = 0
-        n = 0
-        for tid in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
-            it = block(tid, it, n, args, tile)
-            n += 1
-    else:
-        block(gl.program_id(0), 0, 0, args, tile)
 
 
 @gluon.jit
@@ -567,14 +459,6 @@ def _store_block(dk, dv, args, n, off_b, off_hkv, key0, tile):
 
 
 @gluon.jit
-def _ds_rows(ds, tile):
-    """dQ's A operand from a row tile's dSᵀ buffer ``ds [128 keys, BLOCK_M rows]``: dS over this warpgroup's rows
-    (``dq_part_rows``; all of them where the warpgroups split the columns)."""
-    ROW0: gl.constexpr = dq_part_offset(tile.BLOCK_M, tile.HEAD_DIM, tile.WG)[0]
-    return ds.slice(ROW0, dq_part_rows(tile.BLOCK_M), dim=1).permute((1, 0))
-
-
-@gluon.jit
 def _consumer_split(k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_bar, kv_empty, ready, empty, p_smem,
                     dst_smem, pd_ready, pd_free, seqlen_q, seqlen_k, heads_kv, head_group, num_tiles, window_left, DK,
                     DV, stride_dkb, stride_dks, stride_dkh, stride_dvb, stride_dvs, stride_dvh, qk_scale, sm_scale,
@@ -714,188 +598,6 @@ def _early_dkdv(dk, dv, dk_desc, dv_desc, ds_smem, dq_smem, staged, n, off_b, of
     mbarrier.wait(staged, n & 1)
 
 
-@gluon.jit
-def _hand_dq(dq, DQ, dq_smem, dq_full, dq_empty, off_b, off_hkv, t, lo, row_tiles, shift, dq_rows, valid, tile):
-    """This warpgroup's part of row tile ``t``'s dQ, where ``valid``: staged for the writer warp (ORDERED,
-    ``_stage_dq``), else added at once (``_add_dq``)."""
-    if tile.ORDERED:
-        _stage_dq(dq, dq_smem, dq_full, dq_empty, t, valid, tile)
-    else:
-        _add_dq(dq, DQ, dq_smem.index(tile.WG), off_b, off_hkv * tile.GROUP, t, lo, row_tiles, shift, dq_rows, valid,
-                tile)
-
-
-@gluon.jit
-def _add_dq(dq, dq_desc, buf, off_b, head0, t, lo, row_tiles, shift, rows_per_batch, valid, tile):
-    """Add this warpgroup's part of row tile ``t``'s dQ (``dq [dq_part_rows, dq_part_cols]``, its GQA group's heads
-    from ``head0``) into the accumulator (``_dq_coord``) by a TMA reduce from staging buffer ``buf``, where
-    ``valid``. The reduce runs on under the next row tile; the buffer's next use waits for it to be read."""
-    g, m = _row_tile(t, lo, row_tiles, shift, tile)
-    if valid:
-        tma.store_wait(0)  # the last reduce from this buffer (a row tile ago) has read it
-        buf.reshape([dq_order_rows(tile.BLOCK_M, tile.HEAD_DIM), DQ_ORDER_COLS]).store(_register_order(dq))
-        fence_async_shared()
-        _tma_reduce_add(dq_desc, _dq_coord(off_b * rows_per_batch + m, head0 + g, tile.WG, tile), buf)
-
-
-@gluon.jit
-def _register_order(dq):
-    """A warpgroup's dQ part ``[64, C]`` (wgmma's accumulator) as ``[64 · C / 128, 128]`` in the order its registers
-    lie: row ``w · C / 8 + j`` holds warp ``w``'s column group ``j`` (columns ``8j … 8j + 7``), 4 values a lane (rows
-    ``r`` and ``r + 8`` of one column pair). A reshape of the registers, no data moved; stored unswizzled, each warp
-    writes 512 contiguous bytes an instruction (16-byte stores without bank conflicts, where the [64, C] tile's
-    8-byte stores into the 128-byte swizzle conflicted 2-way: NOTES v29). ``attention_bwd_dq_scale_kernel``
-    undoes it."""
-    J: gl.constexpr = dq.shape[1] // 8
-    return dq.reshape([4, 2, 8, J, 4, 2]).permute((0, 3, 2, 4, 1, 5)).reshape([4 * J, DQ_ORDER_COLS])
-
-
-@gluon.jit
-def _dq_coord(row0, head, wg, tile):
-    """Where warpgroup ``wg``'s part of the row tile from accumulator row ``row0`` (``[B, rows_per_batch, Hq, D]``,
-    each batch entry's rows padded to whole tiles) of ``head`` lies in the accumulator seen as ``[·, Hq,
-    DQ_ORDER_COLS]``: a row tile's memory (all heads) holds ``2 · dq_order_rows`` rows of each head, the parts in
-    turn, each in register order (``_register_order``); a part's rows lie ``Hq · DQ_ORDER_COLS`` values apart, as
-    the tile's own rows would, so its adds spread over the L2 as before."""
-    ROWS: gl.constexpr = dq_order_rows(tile.BLOCK_M, tile.HEAD_DIM)
-    return [((row0 // tile.BLOCK_M) * 2 + wg) * ROWS, head, 0]
-
-
-@gluon.jit
-def _row_tile(t, lo, row_tiles, shift, tile):
-    """The ``t``-th row tile a program takes -> (its head within the GQA group, its first row): heads in turn, each
-    over its row tiles from ``lo``; ORDERED non-causal programs start ``shift`` tiles in and wrap around. (Under
-    WINDOW a key block may have no row tile, and its last dQ hand-over, not valid, still asks for one: divided by
-    at least 1.)"""
-    if tile.ORDERED and not tile.CAUSAL:
-        t = (t + shift) % gl.maximum(row_tiles * tile.GROUP, 1)
-    if tile.WINDOW:
-        row_tiles = gl.maximum(row_tiles, 1)
-    return t // row_tiles, lo + (t % row_tiles) * tile.BLOCK_M
-
-
-@gluon.jit
-def _spacing(n_tiles, seqlen_k, BLOCK_N: gl.constexpr):
-    """ORDERED, non-causal: how many row tiles apart consecutive key blocks start (``n_tiles`` each), at least 1; 0
-    where that does not fit (fewer row tiles than key blocks): they then all start at the first. (With the writer's
-    earlier rule, a counter raised only after the next tile's turn, a spacing of 1 closed a cycle of waits, session
-    21; now the spacing only keeps each add steps after the one it waits on, and 128-row tiles of square shapes have
-    one row tile per key block per head of the group.)"""
-    return n_tiles // gl.cdiv(seqlen_k, BLOCK_N)
-
-
-@gluon.jit
-def _stage_dq(dq, dq_smem, dq_full, dq_empty, t, valid, tile):
-    """ORDERED: this warpgroup's part of its ``t``-th row tile's dQ into its half of staging buffer ``t % 2`` for the
-    writer warp, once the writer has released that buffer's last tile (two tiles ago), where ``valid``."""
-    ROWS: gl.constexpr = dq_order_rows(tile.BLOCK_M, tile.HEAD_DIM)
-    t = gl.maximum(t, 0)
-    buf = t % 2
-    mbarrier.wait(dq_empty.index(buf), ((t // 2) & 1) ^ 1, pred=valid)  # a fresh barrier passes parity 1
-    if valid:
-        dq_smem.index(buf).reshape([2 * ROWS, DQ_ORDER_COLS]).slice(tile.WG * ROWS, ROWS).store(_register_order(dq))
-        fence_async_shared()
-    mbarrier.arrive(dq_full.index(buf), count=1, pred=valid)
-
-
-@gluon.jit
-def _dq_writer(DQ, dq_smem, dq_full, dq_empty, SEM, rows_per_batch, seqlen_q, seqlen_k, heads_kv, head_group,
-               num_tiles, window_left, tile):
-    """ORDERED, one warp: the program's dQ tiles into the float32 accumulator in a fixed order. Each (batch, head, row
-    tile) has a counter in ``SEM`` (int32, zeroed) of the adds landed; the writer waits until it reaches this program's
-    turn (``_turn``), issues one TMA copy of both warpgroups' parts (a tile's first turn stores, so the accumulator
-    needs no zeroing and the first add reads nothing; later turns add), and once it has landed raises the counter and
-    releases the staging buffer (the consumers run up to two tiles ahead). So every run adds in the same order: dQ is
-    bitwise reproducible. An add waits on its own program's earlier adds and on the adds at the same tile with an
-    earlier turn, which ``_turn`` puts at earlier steps (or, at the same step, on blocks earlier in turn): that order
-    has no cycle, so every chain of waits ends. (Raising a tile's counter only after the next tile's turn, as before
-    NOTES v14, also made the chains cross tiles.) Key blocks may wait on blocks launched after them (non-causal, and
-    causal ones launched block 0 first), so all of a (batch, kv head)'s blocks must be resident at once: ``launch_dkdv``
-    takes no more of them than the device has SMs (``ordered_blocks``). Causal ones launched last block first
-    (``LAST_BLOCK_FIRST``) wait only on blocks launched before them."""
-    BLOCK_M: gl.constexpr = tile.BLOCK_M
-    lane = gl.arange(0, 32, layout=gl.BlockedLayout([1], [32], [1], [0]))
-    off_b, off_hkv, pid_n, n0, lo, row_tiles, shift = _key_block(gl.program_id(0), seqlen_q, seqlen_k, heads_kv,
-                                                                 head_group, num_tiles, window_left, None,
-                                                                 tile)  # one block a program
-    n_tiles = row_tiles * tile.GROUP
-    q_tiles = rows_per_batch // BLOCK_M
-    heads_q = heads_kv * tile.GROUP
-    for t in range(n_tiles):
-        buf = t % 2
-        g, m = _row_tile(t, lo, row_tiles, shift, tile)
-        head = off_hkv * tile.GROUP + g
-        turn = _turn(g * row_tiles + (m - lo) // BLOCK_M, m // BLOCK_M, pid_n, n_tiles, seqlen_q, seqlen_k, tile)
-        mbarrier.wait(dq_full.index(buf), (t // 2) & 1)
-        counter = SEM + ((off_b * heads_q + head) * q_tiles + m // BLOCK_M) + lane * 0  # lane 0 releases it
-        seen = gl.min(_load_acquire(counter), axis=0)
-        while seen < turn:  # not yet: poll without acquiring, then acquire (it sees what the poll saw: runs once)
-            polled = seen
-            while polled < turn:
-                polled = gl.min(_load_relaxed(counter), axis=0)
-            seen = gl.min(_load_acquire(counter), axis=0)
-        row0 = off_b * rows_per_batch + m
-        if turn == 0:
-            tma.async_copy_shared_to_global(DQ, _dq_coord(row0, head, 0, tile), dq_smem.index(buf))
-        else:
-            _tma_reduce_add(DQ, _dq_coord(row0, head, 0, tile), dq_smem.index(buf))
-        _release(counter, lane)  # once the copy has landed: count it, free its buffer
-        mbarrier.arrive(dq_empty.index(buf), count=1)
-
-
-@gluon.jit
-def _turn(tile_of, mt, pid_n, n_tiles, seqlen_q, seqlen_k, tile):
-    """How many programs of this (batch, kv head) add into row tile ``mt`` before this one, key block ``pid_n`` of
-    K = ``blocks``; ``tile_of`` is the tile's index among a program's ``n_tiles`` (head of the group, then row tile),
-    before any rotation. Each add waits on adds at earlier steps of their programs (or, at the same step, on blocks
-    it comes after), so the chains of waits end, and the orders put them steps apart, so the waits seldom stall:
-    - Non-causal, key block j starts ``j · s`` tiles in (s = ``_spacing`` >= 1, K · s <= n_tiles), so it reaches tile
-      t at step (t - j·s) mod n_tiles, and the adds go by step: a = min(t // s, K - 1), a - 1, ..., 0, K - 1, ...,
-      a + 1, so j's turn is (a - j) mod K. Each waits on an add made at least s >= 1 steps earlier. With s = 0 every
-      block starts at the first tile and the adds go by block, each waiting on the block before at the same step:
-      the chain ends at block 0.
-    - Causal: a row tile's adds go from the block on its diagonal back to block 0: each block reaches the tile no
-      earlier in its own loop than the block after it (a step later or more, or at the same step where several
-      blocks start at row 0 when Sk > Sq), and waits only on blocks after it. The chain ends at the last block that
-      sees the tile. With ``LAST_BLOCK_FIRST`` those blocks launch first; otherwise block 0, the longest, launches
-      first, and the lag between blocks keeps most adds from waiting when they start together."""
-    blocks = gl.cdiv(seqlen_k, tile.BLOCK_N)
-    if tile.CAUSAL:
-        # key blocks j > pid_n whose first visible row tile (max(j·BLOCK_N - (Sk - Sq), 0) // BLOCK_M) is <= mt
-        last = (tile.BLOCK_M * (mt + 1) + seqlen_k - seqlen_q + tile.BLOCK_N - 1) // tile.BLOCK_N - 1
-        return gl.minimum(last, blocks - 1) - pid_n
-    s = _spacing(n_tiles, seqlen_k, tile.BLOCK_N)
-    a = gl.minimum(tile_of // gl.maximum(s, 1), blocks - 1)
-    return gl.where(s > 0, (a - pid_n + blocks) % blocks, pid_n)
-
-
-@gluon.jit
-def _load_acquire(ptrs):
-    """An acquiring load of int32 ``ptrs`` (then a proxy fence: the TMA copies issued after it see what it saw)."""
-    return gl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];\n\tfence.proxy.async.global;", "=r,l",
-                                     [ptrs], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _load_relaxed(ptrs):
-    """A strong load of int32 ``ptrs`` (from L2) without ordering: the writer's poll. ptxas lowers ``_load_acquire``
-    to a strong load and an invalidation of the SM's whole L1 (``CCTL.IVALL``), which likely also cost the consumers
-    their spilled registers cached there (inferred, NOTES v32); polling with it did that every read, so the writer
-    polls relaxed and acquires once after."""
-    return gl.inline_asm_elementwise("ld.relaxed.gpu.global.b32 $0, [$1];", "=r,l", [ptrs], dtype=gl.int32,
-                                     is_pure=False, pack=1)
-
-
-@gluon.jit
-def _release(ptrs, lane):
-    """Wait until no bulk group is in flight in each lane (the copies, issued by whichever lane was elected, have
-    landed), meet at a warp barrier, then lane 0 adds 1 to counter ``ptrs`` with release order."""
-    gl.inline_asm_elementwise("{ .reg .pred p; cp.async.bulk.wait_group 0; bar.warp.sync -1; "
-                              "fence.proxy.async.global; setp.eq.s32 p, $2, 0;\n\t"
-                              "@p red.release.gpu.global.add.s32 [$1], 1; mov.b32 $0, 0; }",
-                              "=r,l,r", [ptrs, lane], dtype=gl.int32, is_pure=False, pack=1)
-
-
 def descriptors(q, k, v, do, dk, dv, tile) -> tuple:
     """Q's, K's, V's, dO's, dK's and dV's descriptors for ``tile``: a row tile of one head, a key block of one kv
     head, and for dK and dV a warpgroup's 64 keys (its K and V rows' box, which stage them, or in a persistent
@@ -918,25 +620,6 @@ def stores_by_tma(q, dk, dv, tile) -> bool:
     stores measured 3-5 % slower non-causal (NOTES v22)."""
     return (q.shape[-1] <= 128 and tile.block_m == KEYS_PER_WARPGROUP and dk.dtype == q.dtype and dv.dtype == q.dtype
             and tma_aligned(dk, dv))
-
-
-def dq_descriptor(dq_acc, tile, d: int, device):
-    """The kernel's dQ argument: a descriptor over ``dq_acc [B, rows, Hq, D]`` (contiguous) seen as ``[·, Hq,
-    DQ_ORDER_COLS]``, unswizzled, with boxes of one warpgroup's part of a row tile in register order
-    (``dq_order_rows``, ``_dq_coord``; both parts for ``dq_ordered``'s writer warp); without ``dq_acc`` (not fused)
-    a placeholder the kernel never reads."""
-    if dq_acc is None:
-        return _placeholder(d, device)[1]
-    box = ((2 if tile.dq_ordered else 1) * dq_order_rows(tile.block_m, d), 1, DQ_ORDER_COLS.value)
-    return descriptor(dq_acc.view(-1, dq_acc.shape[2], DQ_ORDER_COLS.value), box, swizzled=False)
-
-
-@functools.cache
-def _placeholder(d: int, device) -> tuple:
-    """(memory, its descriptor, whose box of a few rows sizes the kernel's unused dQ staging): kept together, since a
-    descriptor holds only its memory's address."""
-    memory = torch.zeros((8, d), dtype=torch.float32, device=device)
-    return memory, descriptor(memory, (8, d // 2))
 
 
 def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, tile, keep: bool = False, dq_acc=None,
@@ -1032,37 +715,6 @@ def launch_dkdv(q, k, v, do, lse, delta, dk, dv, scale: float, causal: bool, til
     if pieces > 1:
         sum_pieces(*parts, dk, dv, full, pieces, b * hkv, group)
     return grid, kept
-
-
-@functools.lru_cache(maxsize=256)
-def programs(seqlen_q: int, seqlen_k: int, columns: int, group: int, causal: bool, block_m: int, block_n: int,
-             head_group: int, sms: int, window_left: int | None = None) -> int:
-    """A persistent launch's program count over key blocks of ``columns`` (batch, kv head) columns in launch order
-    (``_key_block``: ``tile_of``, groups of ``head_group`` columns, block 0 first), a block costing its row tiles
-    (of the ``group`` heads) plus 2: what a program's fixed work cost against a row tile at d = 128 (NOTES v22).
-    ``balanced_programs`` picks the count. ``window_left``: a causal window's left side, as ``launch_dkdv`` takes it
-    (a block's rows end at its last key's window, ``_key_block``)."""
-    num_n = cdiv(seqlen_k, block_n)
-    n0 = np.arange(num_n) * block_n
-    lo = np.maximum(n0 - (seqlen_k - seqlen_q), 0) // block_m * block_m if causal else np.zeros(num_n, dtype=np.int64)
-    end = seqlen_q if window_left is None else np.minimum(seqlen_q, n0 + block_n - (seqlen_k - seqlen_q) + window_left)
-    cost = np.maximum(-(-(end - lo) // block_m), 0) * group + 2.0
-    per_group = head_group * num_n
-
-    def cost_of(t):  # tile t's key block: tile_of's t % per_group // (its group's columns; the last group may be short)
-        return cost[t % per_group // np.minimum(columns - t // per_group * head_group, head_group)]
-
-    return balanced_programs(num_n * columns, sms, cost_of)
-
-
-def semaphores(dq_sem, device):
-    """The kernel's SEM argument: ``dq_sem``, or without it (not ordered) a placeholder the kernel never reads."""
-    return _no_semaphores(device) if dq_sem is None else dq_sem
-
-
-@functools.cache
-def _no_semaphores(device):
-    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def ordered_blocks(device) -> int:

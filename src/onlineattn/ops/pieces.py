@@ -73,7 +73,7 @@ def sum_pieces_kernel(DK_PART, DV_PART, DK, DV, stride_dkb, stride_dks, stride_d
     """Key block ``first_tile + program_id(0)`` of a split dK/dV launch: ``ROWS`` of its keys (``program_id(1)``),
     their ``pieces`` partial sums (slots ``program_id(0) · pieces ...`` of ``DK_PART``/``DV_PART [slots, BLOCK_N,
     D]``, dK already scaled) added in piece order into ``dk``/``dv [B, Sk, Hkv, D]``; keys past the end dropped.
-    Blocks are numbered as ``backward_sm90._key_block`` numbers them without LAST_BLOCK_FIRST (``tile_of`` over
+    Blocks are numbered as ``backward_sm90_schedule._key_block`` numbers them without LAST_BLOCK_FIRST (``tile_of`` over
     ``columns`` (batch, kv head) columns in groups of ``head_group``, a column's key block 0 first)."""
     tl.static_assert(BLOCK_N % ROWS == 0, "a block's keys split evenly between its programs")
     split = tl.program_id(0)
