@@ -454,6 +454,8 @@ def test_split_tail_matches_oracle(shape, tile, lazy, monkeypatch):
     (``merge_pieces``), meets the §3 rule for o and lse, with scores large enough (q scaled by 3) that the pieces'
     maxima differ; a second launch gives the same bits (the pieces merge in a fixed order). The key minimum is
     lowered to 2048 so that the shorter shapes split too (nothing else reads it)."""
+    from onlineattn.ops import forward_sm90_schedule
+
     b, sq, sk, hq, hkv, sms = shape
     d = int(tile[1:].split("-")[0])
     cfg = replace(_FWD_WS_WIDE[False] if tile.endswith("wide") else _FWD_WS[False][d], persistent=True,
@@ -467,7 +469,7 @@ def test_split_tail_matches_oracle(shape, tile, lazy, monkeypatch):
                       device="cuda")
     o, lse = _run_poisoned(q, k, v, False, config=cfg)
     tiles = -(-sq // cfg.block_m) * b * hq
-    programs = F.forward_sm90.programs(tiles, sq, sk, False, cfg.block_m, cfg.block_n, sms)
+    programs = forward_sm90_schedule.programs(tiles, sq, sk, False, cfg.block_m, cfg.block_n, sms)
     assert merged == [tail_pieces(tiles, programs, -(-sk // cfg.block_n))] and merged[0] > 1
     _check(q, k, v, False, o, lse)
     again = _run_poisoned(q, k, v, False, config=cfg)
@@ -544,7 +546,7 @@ def test_skip_shapes_hand_over_skipped_blocks():
     the tile order over its 3 persistent programs at 64-key blocks: a tile that is not its program's last and whose
     warpgroup 0 sees one block fewer than the tile (never more: the ring needs the skipped blocks fewer than its
     stages, ``_skip``). Equal lengths, Sk > Sq off the block boundaries and Sq > Sk among them."""
-    from onlineattn.ops.forward_sm90 import programs
+    from onlineattn.ops.forward_sm90_schedule import programs
     counts = {}
     for shape in SHAPES[1:]:
         b, sq, sk, hq, hkv = shape
@@ -571,7 +573,7 @@ def test_half_diagonal_holds_where_warpgroup_0_sees_half_the_diagonal_block():
     """``half_diagonal``: causal, 128-key blocks over 128-row tiles, Sk - Sq a multiple of 128. Checked against a
     Python walk of the kernel's tiles (as ``_tile_coords`` takes them): there, every row of warpgroup 0 (a tile's
     first 64 rows) sees no key past the first 64 of its tile's last key block, which it takes at half width."""
-    from onlineattn.ops.forward_sm90 import half_diagonal
+    from onlineattn.ops.forward_sm90_schedule import half_diagonal
     cfg = _FWD_WS[True][128]
     assert half_diagonal(512, 512, True, cfg) and half_diagonal(300, 428, True, cfg)
     assert half_diagonal(384, 128, True, cfg)
@@ -590,7 +592,7 @@ def test_programs_balance_the_causal_laps():
     """The persistent program count: all tiles when they fit; under causal at the bench shape (d = 128, N = 512,
     B = 32, H = 16: 2048 tiles of 1 to 4 key blocks) 128 programs, whose snake laps pair up exactly, not 132 (an odd
     last lap); non-causal tiles are equal, so the count stays at the SMs; past 64 laps it is the SMs."""
-    from onlineattn.ops.forward_sm90 import programs
+    from onlineattn.ops.forward_sm90_schedule import programs
     assert programs(100, 512, 512, True, 128, 128, 132) == 100
     assert programs(2048, 512, 512, True, 128, 128, 132) == 128
     assert programs(2048, 512, 512, False, 128, 128, 132) == 132

@@ -63,10 +63,10 @@ def test_sum_pieces_adds_each_blocks_pieces_in_order(b, sk, hkv, d, head_group, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("b,sq,hq,d,first,pieces", [(1, 300, 2, 32, 3, 3), (2, 128, 3, 64, 1, 2)])
 def test_merge_pieces_merges_each_tiles_pieces(b, sq, hq, d, first, pieces, dtype):
-    """The forward's tiles ``first ...`` (128 rows of one head, numbered as ``forward_sm90._tile_coords`` numbers them
-    without causal masking): each tile's ``pieces`` float32 states merged into its rows of o and lse as the oracle's
-    ``merge_states_list`` merges them (rows whose pieces are all empty: o = 0, lse = -inf); rows past Sq dropped, and
-    every other row keeps its NaN."""
+    """The forward's tiles ``first ...`` (128 rows of one head, numbered as ``forward_sm90_schedule._tile_coords``
+    numbers them without causal masking): each tile's ``pieces`` float32 states merged into its rows of o and lse as
+    the oracle's ``merge_states_list`` merges them (rows whose pieces are all empty: o = 0, lse = -inf); rows past Sq
+    dropped, and every other row keeps its NaN."""
     g = torch.Generator().manual_seed(sq + d + pieces)
     num_m = -(-sq // 128)
     split = num_m * b * hq - first

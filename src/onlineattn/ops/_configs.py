@@ -167,8 +167,8 @@ WS_MIN_KEYS = {64: (512, 1024), 128: (512, 512), 256: (512, 512)}
 #     219.5-220.1 against the table's 64x64 210.1-210.2 (64x64 s4 204-205, 128x64 w8 194, 64x128 164, 128x128 w8
 #     135), and took d = 64 causal there.
 #   - Session 29 (NOTES v21, .devrun/fsweep29b.py, CUDA-graph medians, two passes alternated with the tree before):
-#     warpgroup 0 skips a tile's last block where its rows see none of it (forward_sm90._own_blocks), which 64-key
-#     blocks give every causal diagonal tile. Causal N = 512, the Gluon kernel at 64-key blocks, three stages,
+#     warpgroup 0 skips a tile's last block where its rows see none of it (forward_sm90_schedule._own_blocks), which
+#     64-key blocks give every causal diagonal tile. Causal N = 512, the Gluon kernel at 64-key blocks, three stages,
 #     persistent: d = 128 309-314 against the 128-key table tile's 298-300 (cuDNN 302-305); d = 64 231-234 against
 #     the Triton tile's 210-212 (cuDNN 245-250). At N = 1024 the 128-key tiles led (d = 128 419-420 against
 #     394-399; d = 64 322-323 against 292-297), so these stop below 1024.
@@ -240,8 +240,8 @@ _FWD_WS_WIDE = {False: FwdConfig(192, 128, 4, 3, tma=True, gluon=True, persisten
 #   573-574 -> 665-666 | 582-585 (132 heads, not 128), d = 256 N = 4096 749-750 | 647-653 -> 761 | 674-676 (4224
 #   rows); cuDNN gained 0-2 % the same way (2-6 % at d = 256). So the last lap's tiles are cut into pieces of key blocks
 #   (``tail_pieces``), whose float32 states a second launch merges (pieces.merge_pieces). The piece
-#   count: counted in key blocks, a tile costing its blocks plus one (forward_sm90.programs' model), the pieces' lap
-#   against a whole tile's, pieces of at least TAIL_MIN_PIECE_BLOCKS, where that saves TAIL_MIN_GAIN of the
+#   count: counted in key blocks, a tile costing its blocks plus one (forward_sm90_schedule.programs' model), the
+#   pieces' lap against a whole tile's, pieces of at least TAIL_MIN_PIECE_BLOCKS, where that saves TAIL_MIN_GAIN of the
 #   launch. The model leaves out the pieces' stores and the merge (float32 states: 64 KiB a piece at d = 128, 128 at
 #   d = 256), which the A/B (.devrun/tailab.py, one process, rule against one piece, two rounds, cold | eager) put
 #   at 10-70 us: d = 128 N = 16384 687-689 | 620-621 -> 699 | 625-627, 8192 682-684 | 604-613 -> 692-695 | 621-623,

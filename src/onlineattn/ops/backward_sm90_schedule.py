@@ -10,7 +10,7 @@ from triton.experimental.gluon import language as gl
 
 from ._common import tile_of
 from ._launch import cdiv
-from .forward_sm90 import balanced_programs, snake
+from .forward_sm90_schedule import balanced_programs, snake
 
 
 @gluon.jit

@@ -36,7 +36,7 @@ def merge_pieces_kernel(O_PART, LSE_PART, O, LSE, stride_ob, stride_os, stride_o
     """Tile ``first_tile + program_id(0)`` of a split forward launch: ``ROWS`` of its rows (``program_id(1)``), their
     ``pieces`` partial states (slots ``program_id(0) · pieces ...`` of ``O_PART [slots, BLOCK_M, D]`` and ``LSE_PART
     [slots, BLOCK_M]``) merged in piece order (``merge_splits``) into ``o [B, Sq, Hq, D]`` and ``lse [B, Hq, Sq]``;
-    rows past the end dropped. Tiles are numbered as ``forward_sm90._tile_coords`` numbers them without causal
+    rows past the end dropped. Tiles are numbered as ``forward_sm90_schedule._tile_coords`` numbers them without causal
     masking."""
     tl.static_assert(BLOCK_M % ROWS == 0, "a tile's rows split evenly between its merge programs")
     split = tl.program_id(0)
