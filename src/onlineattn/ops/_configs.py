@@ -1,4 +1,5 @@
-"""Tile, warp and stage choices as data. Each entry carries the measured reason it was chosen."""
+"""Tile, warp and stage choices as data. Each entry carries the measured reason it was chosen. The decode kernel's
+are in ``_decode_configs.py``."""
 
 from __future__ import annotations
 
