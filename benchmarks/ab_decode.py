@@ -87,6 +87,8 @@ def main() -> None:
         if type(getattr(C, name, None)) is not int:  # not a bool flag, not a missing name
             raise SystemExit(f"--set: {name} is not an integer of _decode_configs")
         setattr(C, name, int(value))
+        if hasattr(D, name):  # decode.py imports a few (DECODE_WIDE_ROWS, INTERPRETER_SMS) by value
+            setattr(D, name, int(value))
     for shape in args.shapes.split(","):
         hq, hkv, b, length = (int(x) for x in shape.split(":"))
         gen = torch.Generator(device="cuda").manual_seed(0)
