@@ -114,8 +114,13 @@ def compile_gluon(compiled, out: Path) -> None:
     for i, (d, causal, tile) in enumerate(sorted(bwd, key=str)):
         if not tile.gluon:
             continue
-        for left, n in ((None, 300),) + (((37, 300),) if causal else ((None, 4096),) if tile.persistent else ()):
-            split = not causal and n > 300
+        cases = [(None, 300)]  # (a causal window's left side, keys)
+        if causal:
+            cases.append((37, 300))
+        elif tile.persistent:
+            cases.append((None, 4096))  # split: its 128 key blocks over five SMs, the tail rule at any length
+        for left, n in cases:
+            split = n > 300
             backward_sm90.BWD_TAIL_MIN_KEYS.update({d: 0} if split else {})
             backward_sm90._sm_count = (lambda device: 5) if split else sms
             rows = -(-n // tile.block_m) * tile.block_m
